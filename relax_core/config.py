@@ -1,0 +1,245 @@
+"""Structured-config schemas: one dataclass per config group in ``conf/``.
+
+Hydra merges every YAML option of a group into the dataclass registered for it, so an unknown key or a
+value of the wrong type fails at composition time with the key's full name, before anything starts.
+Cross-field rules that a type cannot express live in :func:`relax_core.validation.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from relax_rewards.config import RewardConfig
+
+
+@dataclass
+class AlgorithmConfig:
+    """How rewards become advantages and advantages become a loss (``conf/algorithm/``)."""
+
+    name: str = "grpo"
+    # registry names in relax_core.algorithms
+    advantage_estimator: str = "grpo"
+    policy_loss: str = "ppo_clip"
+    loss_agg_mode: str = "token-mean"
+    # group normalisation: divide by the (unbiased) group std
+    norm_adv_by_std: bool = True
+    # PPO-clip ratio bounds 1-clip_low .. 1+clip_high ("clip-higher" when clip_high > clip_low)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    # dual clip for negative advantages; null disables it
+    clip_c: float | None = 3.0
+    # KL loss against the Reference role; 0 turns the Reference off
+    kl_loss_coef: float = 0.0
+    kl_estimator: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    # optimizer steps taken on one rollout batch (>1 makes later mini-batches off-policy)
+    ppo_epochs: int = 1
+    # constant divisor of seq-mean-token-sum-norm aggregation (null: the max response length)
+    loss_scale: float | None = None
+
+
+@dataclass
+class TinyModelSpec:
+    """Dimensions of a random-init model built in-process (tests, the CPU default)."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = True
+
+
+@dataclass
+class ModelConfig:
+    """Which model family and weights (``conf/model/``)."""
+
+    name: str = "tiny_qwen3"
+    family: str = "qwen3"
+    # local HF folder (config.json, safetensors, tokenizer); null builds ``tiny`` into the run dir
+    path: str | None = None
+    tiny: TinyModelSpec | None = None
+    dtype: str = "float32"
+    # modalities the family accepts
+    modalities: list[str] = field(default_factory=lambda: ["text"])
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class ModalityConfig:
+    """Which inputs the prompts carry (``conf/modality/``)."""
+
+    name: str = "text"
+    # dataset column -> role, e.g. {image: images, audio: audios}
+    keys: dict[str, str] = field(default_factory=dict)
+    min_pixels: int = 3136
+    max_pixels: int = 401408
+    video_fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 32
+    audio_sample_rate: int = 16000
+
+
+@dataclass
+class ModeConfig:
+    """Colocate (time-share) or fully asynchronous execution (``conf/mode/``)."""
+
+    name: str = "colocate"
+    # rollout may start step N+1 only while N+1 - oldest_unconsumed_step <= max_staleness
+    max_staleness: int = 0
+    # in-flight generations at a weight swap: "finish" on old weights or "abort" and resume after
+    partial_rollout: str = "finish"
+    weight_sync_bucket_mb: int = 64
+
+
+@dataclass
+class ClusterConfig:
+    """Where the Ray cluster comes from (``conf/cluster/``)."""
+
+    name: str = "local"
+    # cluster=ray: address of an existing cluster ("auto" or host:port)
+    address: str | None = None
+    # cluster=local: logical resources of the in-process Ray
+    num_cpus: int | None = None
+    num_gpus: int = 0
+    # Slurm (cluster=slurm): submitit executor parameters
+    partition: str | None = None
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 2
+    mem_gb: int | None = None
+    time_min: int = 60
+    account: str | None = None
+    qos: str | None = None
+    additional_sbatch: dict[str, Any] = field(default_factory=dict)
+    ray_port: int = 6379
+    log_dir: str = "slurm_logs"
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from and which columns mean what (``conf/data/``)."""
+
+    name: str = "digits"
+    # local JSONL/Parquet files; null with a ``synthetic`` task generates them into the run dir
+    train_path: str | None = None
+    eval_path: str | None = None
+    # column names; dots reach into nested objects (e.g. reward_model.ground_truth)
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    metadata_key: str | None = "metadata"
+    # apply the tokenizer's chat template when it has one
+    apply_chat_template: bool = True
+    system_prompt: str | None = None
+    max_prompt_len: int = 1024
+    # malformed rows: "raise" names file and row, "skip" drops and counts them
+    on_error: str = "raise"
+    shuffle: bool = True
+    # generated task (null for real datasets)
+    synthetic: str | None = "digits"
+    num_train: int = 4000
+    num_eval: int = 128
+    min_digits: int = 3
+    max_digits: int = 5
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: engine, batch shape and sampling (``conf/rollout/``)."""
+
+    name: str = "torch"
+    engine: str = "torch"
+    num_engines: int = 1
+    # prompts per step, and samples per prompt (the GRPO group)
+    batch_size: int = 16
+    n_samples_per_prompt: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    # CPU threads the engine's torch uses
+    num_threads: int = 2
+    # fraction of a CPU each engine actor reserves from Ray
+    num_cpus: float = 0.5
+    num_gpus: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation loop (``conf/trainer/``)."""
+
+    name: str = "torch"
+    backend: str = "torch"
+    total_steps: int = 200
+    # samples per optimizer step (null: the whole rollout batch, i.e. one step per rollout)
+    global_batch_size: int | None = None
+    micro_batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    grad_clip: float = 1.0
+    lr_warmup_steps: int = 0
+    # supervised warm-start on the training labels before RL (0 disables)
+    sft_warmup_steps: int = 0
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 64
+    eval_every: int = 25
+    save_every: int = 0
+    keep_last: int = 2
+    # "auto" continues from the newest checkpoint in the run dir, or a checkpoint path
+    resume: str | None = None
+    num_threads: int = 2
+    num_cpus: float = 0.5
+    num_gpus: float = 0.0
+
+
+@dataclass
+class LoggerConfig:
+    """Metrics sinks (``conf/logger/``)."""
+
+    name: str = "mlflow"
+    # null: SQLite store in the run's output dir
+    tracking_uri: str | None = None
+    experiment_name: str = "relax"
+    run_name: str | None = None
+    tensorboard: bool = False
+    plot: bool = True
+    # Apprise URLs notified at start, finish and failure
+    notify_urls: list[str] = field(default_factory=list)
+    # one compact line per step (true) or a progress bar (false)
+    line_per_step: bool = True
+
+
+@dataclass
+class ControlPlaneConfig:
+    """HTTP control plane of a running job (health, metrics, elastic rollout scaling)."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 0
+    # required when host is not a loopback address
+    token: str | None = None
+
+
+@dataclass
+class RelaxConfig:
+    """The whole run; ``conf/config.yaml`` fills it from the groups' defaults."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    modality: ModalityConfig = field(default_factory=ModalityConfig)
+    mode: ModeConfig = field(default_factory=ModeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
+    seed: int = 1
+    # set by the launcher to Hydra's output dir; every artefact of the run goes below it
+    output_dir: str = "."

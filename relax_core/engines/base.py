@@ -1,0 +1,76 @@
+"""The rollout-engine interface every generation backend implements (torch, SGLang, vLLM).
+
+An engine turns token ids into sampled continuations with the log-probability of every sampled token
+under the sampling distribution's *unmodified* logits at temperature 1 (what training compares against),
+swaps weights between steps, and can be paused, resumed and aborted around a weight swap.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
+    # samples per request sharing one prefill
+    n: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class GenerationRequest:
+    input_ids: list[int]
+    request_id: str = ""
+    multimodal_inputs: dict[str, Any] | None = None
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[int]
+    logprobs: list[float]
+    # "stop" (EOS / stop token / stop string), "length" (budget), "abort"
+    finish_reason: str
+    request_id: str = ""
+    weight_version: int = 0
+
+
+class RolloutEngine(abc.ABC):
+    """Generates continuations; ``generate`` returns ``n`` results per request, request-major."""
+
+    weight_version: int = 0
+
+    @abc.abstractmethod
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
+        """Sample ``sampling.n`` continuations of every request."""
+
+    @abc.abstractmethod
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load new policy weights (HF parameter names) and tag later results with ``version``."""
+
+    def pause(self) -> None:
+        """Stop admitting new work (in-flight work finishes or is aborted per the engine)."""
+
+    def resume(self) -> None:
+        """Admit work again after :meth:`pause`."""
+
+    def abort(self) -> None:
+        """Cut in-flight generations short; they return with ``finish_reason="abort"``."""
+
+    def health(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        """Release resources (servers, caches)."""
