@@ -169,6 +169,18 @@ class RolloutConfig:
 
 
 @dataclass
+class MegatronParallelConfig:
+    """Parallel sizes of the megatron backend; their product divides the training world size."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    expert: int = 1
+    # null: same as tensor
+    expert_tensor: int | None = None
+
+
+@dataclass
 class TrainerConfig:
     """Optimisation loop (``conf/trainer/``)."""
 
@@ -183,6 +195,9 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     grad_clip: float = 1.0
     lr_warmup_steps: int = 0
+    # after warm-up: "constant", or "cosine" decay to lr·min_lr_ratio at total_steps optimizer steps
+    lr_decay: str = "constant"
+    min_lr_ratio: float = 0.1
     # supervised warm-start on the training labels before RL (0 disables)
     sft_warmup_steps: int = 0
     sft_lr: float = 3e-3
@@ -195,6 +210,7 @@ class TrainerConfig:
     num_threads: int = 2
     num_cpus: float = 0.5
     num_gpus: float = 0.0
+    megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 
-class SampleStatus(str, enum.Enum):
+class SampleStatus(enum.StrEnum):
     COMPLETED = "completed"  # stopped on an EOS/stop token
     TRUNCATED = "truncated"  # hit max_new_tokens / the context budget
     ABORTED = "aborted"  # cut short by a weight swap or scale-in; may be resumed

@@ -21,3 +21,8 @@ class RewardConfig:
     # 0 scores in the calling process; >0 uses a process pool of that size
     num_workers: int = 0
     timeout_s: float = 10.0
+    # modules ("pkg.mod" or "path/to/file.py") imported first; the rewards they @register can then be
+    # chosen by name, including by a sample's rm_type (which never loads code by path itself)
+    plugins: list[str] = field(default_factory=list)
+    # how worker processes start: "spawn" (default: clean, sees the current sys.path), "forkserver", "fork"
+    start_method: str = "spawn"

@@ -1,0 +1,23 @@
+"""Training backends behind :class:`relax_core.backends.base.TrainingBackend`, built by name."""
+
+from __future__ import annotations
+
+from relax_core.backends.base import TrainingBackend
+from relax_core.errors import RelaxUserError
+
+
+def build_backend(
+    name: str, model_path: str, trainer_cfg, model_cfg, temperature: float, seed: int, trainable: bool = True
+) -> TrainingBackend:
+    """The backend ``trainer.backend`` names; ``trainable=False`` for frozen scorers (Reference)."""
+    if name == "torch":
+        from relax_core.backends.torch_backend import TorchBackend
+
+        return TorchBackend(model_path, trainer_cfg, model_cfg, temperature=temperature, trainable=trainable)
+    if name == "megatron":
+        from relax_core.backends.megatron_backend import MegatronBackend
+
+        return MegatronBackend(
+            model_path, trainer_cfg, model_cfg, seed, temperature=temperature, trainable=trainable
+        )
+    raise RelaxUserError(f"trainer.backend={name!r} is not available; choose one of ['megatron', 'torch']")

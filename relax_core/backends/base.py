@@ -29,6 +29,10 @@ class TrainingBackend(abc.ABC):
         """
 
     @abc.abstractmethod
+    def reset_optimizer(self, lr: float) -> None:
+        """Fresh optimizer state at learning rate ``lr`` (between phases, e.g. warm-start -> RL)."""
+
+    @abc.abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Policy weights in HF parameter names (what rollout engines load)."""
 

@@ -1,7 +1,7 @@
 """The rollout-engine interface every generation backend implements (torch, SGLang, vLLM).
 
 An engine turns token ids into sampled continuations with the log-probability of every sampled token
-under the sampling distribution's *unmodified* logits at temperature 1 (what training compares against),
+under the temperature-scaled distribution before top-p/top-k truncation (what training recomputes),
 swaps weights between steps, and can be paused, resumed and aborted around a weight swap.
 """
 

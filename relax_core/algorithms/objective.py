@@ -1,0 +1,47 @@
+"""The training objective an algorithm config composes from the registries."""
+
+from __future__ import annotations
+
+import torch
+
+from relax_core.algorithms.masked import masked_mean
+from relax_core.algorithms.registry import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from relax_core.samples import TrainBatch
+
+
+def policy_objective(
+    batch: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor, cfg, weight: float = 1.0
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """loss = agg(ℓ_policy) − c_H·agg(H) + c_KL·agg(KL(π‖π_ref)), times ``weight``.
+
+    ``batch.extras`` must hold ``advantages`` and, off-policy, ``old_logprobs`` (else the detached current
+    log-probs are used: ratio 1, the on-policy case); ``ref_logprobs`` when ``cfg.kl_loss_coef > 0``.
+    ``weight`` is this micro-batch's share of the optimizer batch so accumulated gradients equal the
+    gradient of the whole batch's loss.
+    """
+    mask = batch.loss_mask
+    old = batch.extras.get("old_logprobs", logprobs.detach())
+    aggregate = LOSS_AGGREGATIONS.get(cfg.loss_agg_mode)
+    pg_loss_tokens, metrics = POLICY_LOSSES.get(cfg.policy_loss)(
+        logprobs, old, batch.extras["advantages"], mask, cfg
+    )
+    pg_loss = aggregate(pg_loss_tokens, mask, cfg.loss_scale)
+    entropy_mean = masked_mean(entropy, mask)
+    loss = pg_loss
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_scale)
+    if cfg.kl_loss_coef > 0:
+        kl_tokens = KL_ESTIMATORS.get(cfg.kl_estimator)(logprobs, batch.extras["ref_logprobs"])
+        kl = aggregate(kl_tokens, mask, cfg.loss_scale)
+        loss = loss + cfg.kl_loss_coef * kl
+        metrics["kl"] = kl
+    out = {k: float(v.detach()) for k, v in metrics.items()}
+    out.update(pg_loss=float(pg_loss), entropy=float(entropy_mean))
+    return loss * weight, out
+
+
+def micro_batch_weight(micro: TrainBatch, total_tokens: float, total_seqs: int, cfg) -> float:
+    """Share of one micro-batch in the optimizer batch for the configured aggregation."""
+    if cfg.loss_agg_mode == "token-mean":
+        return float(micro.loss_mask.sum()) / max(total_tokens, 1.0)
+    return len(micro) / max(total_seqs, 1)

@@ -1,0 +1,375 @@
+"""Training backend on megatron-core (tensor / expert parallel Qwen3 and Qwen3-MoE).
+
+One instance runs in each training process; the processes of one model replica form megatron's
+tensor/expert groups over the default ``torch.distributed`` group (started here from ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` when not yet running). Every method below that touches
+weights is *collective*: all ranks call it in step, and the ranks of one tensor-parallel group must get
+the same batch. Data-parallel ranks get different batches; their gradients are averaged.
+
+Log-probs come from :func:`relax_core.algorithms.logprobs.token_logprobs_and_entropy` on the full-vocab
+logits, so this backend optimises exactly the objective of the torch backend.
+
+CPU: plain ``torch.optim.AdamW`` with a tensor-parallel-aware global gradient-norm clip. GPU: megatron's
+distributed optimizer over a megatron ``DistributedDataParallel`` wrapper (not exercised by CPU tests).
+Pipeline and context parallelism are validated but not run by this backend yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from relax_core.algorithms.logprobs import token_logprobs_and_entropy
+from relax_core.backends.base import LossFn, TrainingBackend
+from relax_core.backends.torch_backend import rng_state, set_rng_state
+from relax_core.errors import RelaxUserError
+from relax_core.samples import TrainBatch
+from relax_models.megatron.bridge import (
+    Qwen3Bridge,
+    Ranks,
+    SafetensorsCheckpoint,
+    bucket_by_bytes,
+    module_layout,
+    unfuse_experts,
+)
+from relax_models.megatron.cpu_shim import cuda_available, init_process_group
+from relax_models.megatron.model import (
+    ParallelSizes,
+    arch_from_hf_config,
+    build_gpt_model,
+    finalize_grads,
+    forward_logits,
+    initialize_parallel,
+    is_expert_param,
+    uses_transformer_engine,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class MegatronBackend(TrainingBackend):
+    """A megatron-core ``GPTModel`` shard loaded from an HF folder; speaks HF names at its boundary.
+
+    ``parallel`` (or ``trainer_cfg.megatron`` when absent) holds ``tensor``, ``pipeline``, ``context``,
+    ``expert`` and optional ``expert_tensor``. ``trainable=False`` gives a frozen scorer (Reference).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        trainer_cfg: Any,
+        model_cfg: Any,
+        seed: int,
+        *,
+        parallel: Any = None,
+        temperature: float = 1.0,
+        trainable: bool = True,
+    ):
+        from transformers import AutoConfig
+
+        self.model_path = model_path
+        self.temperature = temperature
+        self.trainable = trainable
+        dtype_name = getattr(model_cfg, "dtype", "float32")
+        if dtype_name not in DTYPES:
+            raise RelaxUserError(f"model.dtype={dtype_name!r} is not one of {sorted(DTYPES)}")
+        self.dtype = DTYPES[dtype_name]
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.arch = arch_from_hf_config(self.hf_config)
+        self.sizes = ParallelSizes.from_config(
+            parallel if parallel is not None else getattr(trainer_cfg, "megatron", None)
+        )
+        if self.sizes.pipeline > 1 or self.sizes.context > 1:
+            raise RelaxUserError(
+                "trainer.megatron.pipeline>1 / context>1 are not run by the megatron backend yet; "
+                "use tensor and expert parallelism (pipeline=1, context=1)"
+            )
+        init_process_group()
+        self.dp_size = initialize_parallel(self.arch, self.sizes, seed)
+        torch.manual_seed(seed)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
+        )
+        self.ranks = Ranks.from_parallel_state()
+        self.bridge = Qwen3Bridge(self.arch, self.sizes, fused_norms=uses_transformer_engine())
+        self.model = build_gpt_model(self.arch, self.sizes, self.dtype)
+        self.bridge.load_into(self.model, _open_checkpoint(model_path), self.ranks)
+        self._set_training(trainable)
+        self.model.requires_grad_(trainable)
+        self.trainer_cfg = trainer_cfg
+        self.grad_clip = float(trainer_cfg.grad_clip)
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self._ddp: Any = None
+        if trainable:
+            self.reset_optimizer(trainer_cfg.lr)
+
+    def _set_training(self, training: bool) -> None:
+        """On CPU the module always runs in eval mode: our configs have no dropout and no MoE aux loss,
+        so both modes compute the same function and gradients, and eval mode skips megatron's
+        "MoE + TP needs sequence parallel" training guard that torch norms cannot satisfy."""
+        self.model.train(training and cuda_available())
+
+    # ------------------------------------------------------------------ optimiser
+    def reset_optimizer(self, lr: float) -> None:
+        """Fresh optimizer (and warm-up schedule) state at learning rate ``lr``."""
+        t = self.trainer_cfg
+        self._base_lr = float(lr)
+        self._warmup = max(int(getattr(t, "lr_warmup_steps", 0)), 0)
+        self._steps = 0
+        if cuda_available():  # GPU: megatron DDP + distributed optimizer
+            self._build_megatron_optimizer(lr)
+            return
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, weight_decay=t.weight_decay, betas=tuple(t.betas)
+        )
+        warmup = self._warmup
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1))
+        )
+
+    def _build_megatron_optimizer(self, lr: float) -> None:  # pragma: no cover - needs CUDA
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        if self._ddp is None:
+            self._ddp = DistributedDataParallel(
+                config=self.model.config,
+                ddp_config=DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+                ),
+                module=self.model,
+            )
+        t = self.trainer_cfg
+        betas = tuple(t.betas)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=lr,
+                weight_decay=t.weight_decay,
+                adam_beta1=betas[0],
+                adam_beta2=betas[1],
+                clip_grad=self.grad_clip,
+                bf16=self.dtype == torch.bfloat16,
+                fp16=self.dtype == torch.float16,
+                params_dtype=self.dtype,
+                use_distributed_optimizer=True,
+            ),
+            [self._ddp],
+        )
+
+    def _lr(self) -> float:
+        return self._base_lr * min(1.0, (self._steps + 1) / (self._warmup + 1))
+
+    # ------------------------------------------------------------------ forward / train
+    def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = _to_device(batch, self.device)
+        module = self._ddp if self._ddp is not None else self.model
+        logits = forward_logits(module, batch.input_ids, self.arch.vocab_size)
+        logprobs, entropy = token_logprobs_and_entropy(logits, batch, self.temperature)
+        return logprobs.cpu(), entropy.cpu()
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: TrainBatch, micro_batch_size: int = 64) -> torch.Tensor:
+        self._set_training(False)
+        try:
+            parts = [self._logprobs_entropy(mb)[0] for mb in batch.micro_batches(micro_batch_size)]
+        finally:
+            self._set_training(self.trainable)
+        width = batch.loss_mask.shape[1]
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen backend (trainable=False)")
+        self._set_training(True)
+        if self._ddp is not None:  # pragma: no cover - needs CUDA
+            self._ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        sums: dict[str, float] = {}
+        micro_batches = batch.micro_batches(micro_batch_size)
+        for micro in micro_batches:
+            logprobs, entropy = self._logprobs_entropy(micro)
+            loss, metrics = loss_fn(micro, logprobs, entropy)
+            loss.backward()
+            metrics["loss"] = float(loss)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+        out = {k: v / len(micro_batches) for k, v in sums.items()}
+        out["loss"] = sums["loss"]
+        if self._ddp is not None:  # pragma: no cover - needs CUDA
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([self._ddp])
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._lr()
+            _, grad_norm, _ = self.optimizer.step()
+            out.update(grad_norm=float(grad_norm or 0.0), lr=self._lr())
+            self._steps += 1
+            return out
+        finalize_grads(self.model)
+        grad_norm = self._clip_grads()
+        self.optimizer.step()
+        self.scheduler.step()
+        out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0])
+        return out
+
+    def _named_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                yield name, p.grad
+
+    def _clip_grads(self) -> float:
+        """Clip by the norm of the *whole* model's gradient, counting every shard once."""
+        from megatron.core import parallel_state as ps
+
+        sq = torch.zeros(3, dtype=torch.float64)  # replicated, TP-sharded, expert
+        for name, grad in self._named_grads():
+            value = grad.detach().double().pow(2).sum()
+            if is_expert_param(name):
+                sq[2] += value
+            elif self.bridge.is_sharded(name, self.ranks):
+                sq[1] += value
+            else:
+                sq[0] += value
+        tp_part, ep_part = sq[1:2].clone(), sq[2:3].clone()
+        if self.sizes.tensor > 1:
+            dist.all_reduce(tp_part, group=ps.get_tensor_model_parallel_group())
+        if self.sizes.etp * self.sizes.expert > 1:
+            dist.all_reduce(ep_part, group=ps.get_expert_tensor_and_model_parallel_group())
+        total = float((sq[0] + tp_part + ep_part).sqrt())
+        if self.grad_clip > 0 and total > self.grad_clip:
+            scale = self.grad_clip / (total + 1e-6)
+            for _, grad in self._named_grads():
+                grad.mul_(scale)
+        return total
+
+    # ------------------------------------------------------------------ weights
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under HF *checkpoint* names (per-expert), one at a time (collective)."""
+        return self.bridge.iter_hf_weights(self.model, self.ranks)
+
+    def hf_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Checkpoint-named weights in lists of at most ``bucket_bytes`` (streamed weight sync)."""
+        return bucket_by_bytes(self.iter_hf_weights(), bucket_bytes)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under the names transformers' in-memory model uses (what ``TorchBackend`` returns and
+        the torch rollout engine loads): fused experts, tied ``lm_head`` included. Collective."""
+        checkpoint = {k: v.detach().cpu().clone() for k, v in self.iter_hf_weights()}
+        return module_layout(checkpoint, self.arch.tie_word_embeddings)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Accepts module- or checkpoint-named HF weights; each rank copies its own shard."""
+        self.bridge.load_into(self.model, unfuse_experts(state_dict), self.ranks)
+        if self._ddp is not None:  # pragma: no cover - needs CUDA
+            self.optimizer.reload_model_params()  # fp32 main params follow the new weights
+
+    # ------------------------------------------------------------------ checkpoints
+    def _rank_file(self, path: str) -> Path:
+        return Path(path) / f"megatron_rank{dist.get_rank():05d}.pt"
+
+    def save_checkpoint(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        if self._ddp is not None:  # pragma: no cover - needs CUDA
+            # the distributed optimizer's sharded state needs megatron dist_checkpointing: not done yet
+            log.warning("megatron GPU checkpoint: weights and RNG only; the optimizer restarts on resume")
+            optimizer_state = None
+        else:
+            optimizer_state = self.optimizer.state_dict() if self.optimizer else None
+        torch.save(
+            {
+                "model": {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")},
+                "optimizer": optimizer_state,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                "steps": getattr(self, "_steps", 0),
+                "rng": rng_state(),
+                "parallel": dataclasses.asdict(self.sizes),
+                "world_size": dist.get_world_size(),
+            },
+            self._rank_file(path),
+        )
+        if dist.get_rank() == 0:
+            meta = {
+                "backend": "megatron",
+                "parallel": dataclasses.asdict(self.sizes),
+                "world_size": dist.get_world_size(),
+            }
+            (Path(path) / "megatron_meta.json").write_text(json.dumps(meta))
+
+    def load_checkpoint(self, path: str) -> None:
+        file = self._rank_file(path)
+        if not file.exists():
+            raise RelaxUserError(
+                f"{path} holds no megatron checkpoint for rank {dist.get_rank()} ({file.name})"
+            )
+        state = torch.load(file, weights_only=False)
+        if (
+            state["parallel"] != dataclasses.asdict(self.sizes)
+            or state["world_size"] != dist.get_world_size()
+        ):
+            raise RelaxUserError(
+                f"checkpoint {path} was saved with parallel sizes {state['parallel']} on "
+                f"{state['world_size']} processes; this run uses {dataclasses.asdict(self.sizes)} on "
+                f"{dist.get_world_size()}. Resume with the same trainer.megatron settings"
+            )
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if self._ddp is not None:  # pragma: no cover - needs CUDA
+            self.optimizer.reload_model_params()
+        elif self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self._steps = state["steps"]
+        set_rng_state(state["rng"])
+
+    def export_hf(self, path: str) -> None:
+        """Config, safetensors (checkpoint names) and tokenizer; rank 0 writes, all ranks gather."""
+        from safetensors.torch import save_file
+
+        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in self.iter_hf_weights()}
+        if dist.get_rank() != 0:
+            return
+        os.makedirs(path, exist_ok=True)
+        self.hf_config.save_pretrained(path)
+        save_file(tensors, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            from relax_models.loader import load_tokenizer
+
+            load_tokenizer(self.model_path).save_pretrained(path)
+        except (OSError, ValueError) as exc:  # a weights-only folder has no tokenizer
+            log.warning("export_hf: no tokenizer copied from %s (%s)", self.model_path, exc)
+
+
+def _open_checkpoint(model_path: str) -> SafetensorsCheckpoint:
+    try:
+        return SafetensorsCheckpoint(model_path)
+    except FileNotFoundError as exc:
+        raise RelaxUserError(
+            f"model.path={model_path!r} has no *.safetensors weights; the megatron backend loads "
+            "safetensors checkpoints only"
+        ) from exc
+
+
+def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    if device.type == "cpu":
+        return batch
+    fields = {k: getattr(batch, k) for k in batch.__dataclass_fields__}
+    for k, v in fields.items():
+        if isinstance(v, torch.Tensor):
+            fields[k] = v.to(device)
+    fields["extras"] = {k: v.to(device) for k, v in batch.extras.items()}
+    return TrainBatch(**fields)

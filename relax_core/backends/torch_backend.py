@@ -1,0 +1,134 @@
+"""Training backend on a plain HF model with AdamW (CPU, or one GPU)."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from relax_core.algorithms.logprobs import token_logprobs_and_entropy
+from relax_core.backends.base import LossFn, TrainingBackend
+from relax_core.samples import TrainBatch
+from relax_models.loader import load_causal_lm, load_tokenizer
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def lr_multiplier(trainer_cfg):
+    """Linear warm-up over ``lr_warmup_steps``, then constant or cosine decay to ``min_lr_ratio`` at
+    ``total_steps`` optimizer steps."""
+    warmup, total, floor = (
+        max(trainer_cfg.lr_warmup_steps, 0),
+        max(trainer_cfg.total_steps, 1),
+        trainer_cfg.min_lr_ratio,
+    )
+
+    def multiplier(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if trainer_cfg.lr_decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(total - warmup, 1))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+class TorchBackend(TrainingBackend):
+    """One HF model; ``trainable=False`` gives a frozen scorer (Reference, Teacher)."""
+
+    def __init__(
+        self, model_path: str, trainer_cfg, model_cfg, temperature: float = 1.0, trainable: bool = True
+    ):
+        self.model_path = model_path
+        self.temperature = temperature
+        self.model = load_causal_lm(model_path, model_cfg.dtype, model_cfg.attn_implementation)
+        self.model.train(trainable)
+        self.model.requires_grad_(trainable)
+        if trainable and model_cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.trainer_cfg = trainer_cfg
+        self.optimizer = self.scheduler = None
+        if trainable:
+            self.reset_optimizer(trainer_cfg.lr)
+
+    def reset_optimizer(self, lr: float) -> None:
+        t = self.trainer_cfg
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, weight_decay=t.weight_decay, betas=tuple(t.betas)
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(t))
+
+    def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        return token_logprobs_and_entropy(logits, batch, self.temperature)
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: TrainBatch, micro_batch_size: int = 64) -> torch.Tensor:
+        parts = [self._logprobs_entropy(mb)[0] for mb in batch.micro_batches(micro_batch_size)]
+        width = batch.loss_mask.shape[1]
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+        assert self.optimizer is not None, "train_step on a frozen backend"
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        micro_batches = batch.micro_batches(micro_batch_size)
+        for micro in micro_batches:
+            logprobs, entropy = self._logprobs_entropy(micro)
+            loss, metrics = loss_fn(micro, logprobs, entropy)
+            loss.backward()
+            metrics["loss"] = float(loss.detach())
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        out = {k: v / len(micro_batches) for k, v in sums.items()}
+        # the weighted micro-batch losses add up to the batch loss
+        out["loss"] = sums["loss"]
+        out.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict, strict=False)
+
+    def save_checkpoint(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                "rng": rng_state(),
+            },
+            Path(path) / "backend.pt",
+        )
+
+    def load_checkpoint(self, path: str) -> None:
+        state = torch.load(Path(path) / "backend.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        if self.optimizer and state["optimizer"]:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+
+    def export_hf(self, path: str) -> None:
+        self.model.save_pretrained(path)
+        load_tokenizer(self.model_path).save_pretrained(path)

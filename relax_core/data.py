@@ -1,0 +1,201 @@
+"""Prompt datasets: generated task files and real JSONL/Parquet files go through one loader.
+
+Rows are read with Hugging Face ``datasets`` from local files; ``data.prompt_key`` / ``label_key`` /
+``metadata_key`` name the columns (dots reach into nested objects, e.g. ``reward_model.ground_truth``).
+A prompt is a string or a list of chat messages; the tokenizer's chat template is applied when it has one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from relax_core.errors import RelaxUserError
+from relax_core.samples import PromptRecord
+
+log = logging.getLogger(__name__)
+
+# name -> fn(rng, data_cfg) returning one row {"prompt", "label", "metadata"}
+SYNTHETIC_TASKS: dict[str, Callable[[random.Random, Any], dict]] = {}
+
+
+def synthetic_task(name: str):
+    def decorate(fn):
+        SYNTHETIC_TASKS[name] = fn
+        return fn
+
+    return decorate
+
+
+@synthetic_task("digits")
+def digits_row(rng: random.Random, cfg) -> dict:
+    """``sort 31524:`` -> ``12345``: sort a random digit string (scored with per-position credit)."""
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(cfg.min_digits, cfg.max_digits)))
+    return {"prompt": f"sort {digits}:", "label": "".join(sorted(digits)), "metadata": {"task": "sort"}}
+
+
+def generate_synthetic(cfg, folder: str | Path, seed: int) -> tuple[str, str]:
+    """Write ``train.jsonl`` and ``eval.jsonl`` for ``cfg.synthetic``; eval prompts never occur in train."""
+    if cfg.synthetic not in SYNTHETIC_TASKS:
+        raise RelaxUserError(
+            f"data.synthetic={cfg.synthetic!r} is unknown; choose one of {sorted(SYNTHETIC_TASKS)}"
+        )
+    make_row = SYNTHETIC_TASKS[cfg.synthetic]
+    rng = random.Random(seed)
+    eval_rows = {}
+    while len(eval_rows) < cfg.num_eval:
+        row = make_row(rng, cfg)
+        eval_rows[row["prompt"]] = row
+    train_rows = []
+    for _ in range(cfg.num_train * 20):
+        if len(train_rows) == cfg.num_train:
+            break
+        row = make_row(rng, cfg)
+        if row["prompt"] not in eval_rows:
+            train_rows.append(row)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, rows in (("train", train_rows), ("eval", list(eval_rows.values()))):
+        path = folder / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths.append(str(path))
+    return paths[0], paths[1]
+
+
+def dataset_paths(cfg, output_dir: str, seed: int) -> tuple[str, str | None]:
+    """Train and eval files: the configured ones, or the synthetic task generated under the run dir."""
+    if cfg.train_path:
+        return cfg.train_path, cfg.eval_path
+    if not cfg.synthetic:
+        raise RelaxUserError("data.train_path is not set and data.synthetic is null: give a dataset file")
+    return generate_synthetic(cfg, Path(output_dir) / "data", seed)
+
+
+def _read_rows(path: str) -> list[dict]:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise RelaxUserError(f"dataset file {path!r} does not exist")
+    suffix = file.suffix.lower()
+    if suffix not in (".jsonl", ".json", ".parquet"):
+        raise RelaxUserError(f"dataset file {path!r}: unsupported format {suffix!r} (use .jsonl or .parquet)")
+    if suffix in (".jsonl", ".json"):
+        # a line-by-line pass first, so a broken row is reported with its line number
+        for lineno, line in enumerate(file.read_text().splitlines(), start=1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise RelaxUserError(
+                        f"dataset file {path!r}, line {lineno}: invalid JSON ({err.msg})"
+                    ) from None
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.load_dataset(
+            "parquet" if suffix == ".parquet" else "json", data_files=str(file), split="train"
+        )
+    except Exception as err:  # noqa: BLE001  (pyarrow/datasets raise many types for one cause)
+        raise RelaxUserError(f"dataset file {path!r} cannot be read: {str(err).splitlines()[0]}") from None
+    rows = table.to_list()
+    if not rows:
+        raise RelaxUserError(f"dataset file {path!r} has no rows")
+    return rows
+
+
+def get_field(row: dict, dotted: str) -> Any:
+    """``row["a"]["b"]`` for ``"a.b"``; KeyError names the missing part."""
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(part)
+        value = value[part]
+    return value
+
+
+def render_prompt(prompt: Any, tokenizer, cfg) -> str:
+    """The text the model sees: chat template over messages when available, else the raw text."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
+        messages = list(prompt)
+    else:
+        raise ValueError("prompt must be a string or a list of {role, content} messages")
+    if cfg.system_prompt and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    if cfg.apply_chat_template and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n".join(str(m["content"]) for m in messages)
+
+
+def load_prompts(path: str, cfg, tokenizer) -> tuple[list[PromptRecord], int]:
+    """Tokenized prompt records of a file and the number of rows skipped (``data.on_error=skip``)."""
+    records, skipped = [], 0
+    for index, row in enumerate(_read_rows(path)):
+        try:
+            text = render_prompt(get_field(row, cfg.prompt_key), tokenizer, cfg)
+            label = get_field(row, cfg.label_key) if cfg.label_key else None
+            metadata = {}
+            if cfg.metadata_key and cfg.metadata_key in row and row[cfg.metadata_key] is not None:
+                metadata = get_field(row, cfg.metadata_key)
+                if not isinstance(metadata, dict):
+                    raise ValueError(f"column {cfg.metadata_key!r} must hold an object")
+            prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
+            if not prompt_ids:
+                raise ValueError("prompt is empty")
+            if len(prompt_ids) > cfg.max_prompt_len:
+                raise ValueError(
+                    f"prompt has {len(prompt_ids)} tokens > data.max_prompt_len={cfg.max_prompt_len}"
+                )
+        except (KeyError, ValueError, TypeError) as err:
+            reason = f"missing column {err.args[0]!r}" if isinstance(err, KeyError) else str(err)
+            if cfg.on_error == "skip":
+                skipped += 1
+                log.warning("skipping %s row %d: %s", path, index, reason)
+                continue
+            raise RelaxUserError(
+                f"dataset file {path!r}, row {index}: {reason} (set data.on_error=skip to drop such rows)"
+            ) from None
+        records.append(
+            PromptRecord(index=index, prompt_ids=prompt_ids, prompt_text=text, label=label, metadata=metadata)
+        )
+    if not records:
+        raise RelaxUserError(f"dataset file {path!r}: every row was malformed ({skipped} skipped)")
+    return records, skipped
+
+
+class PromptStream:
+    """Endless, epoch-shuffled stream of prompt batches whose position can be saved and restored."""
+
+    def __init__(self, records: list[PromptRecord], seed: int, shuffle: bool = True) -> None:
+        self.records, self.seed, self.shuffle = records, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self, size: int) -> list[PromptRecord]:
+        batch = []
+        while len(batch) < size:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order()
+            batch.append(self.records[self._order[self.position]])
+            self.position += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._epoch_order()

@@ -1,0 +1,137 @@
+"""Where a run's numbers go: ``metrics.jsonl``, MLflow, the terminal and a reward plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+log = logging.getLogger("relax")
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def format_step_line(step: int, total: int, m: dict[str, float]) -> str:
+    parts = [f"step {step:>4}/{total}", f"reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}"]
+    if "eval/accuracy" in m:
+        parts.append(f"eval acc {m['eval/accuracy']:.3f}")
+    parts += [f"loss {m['loss']:+.4f}", f"kl {m['kl']:.4f}", f"ent {m['entropy']:.3f}"]
+    if "staleness/mean" in m:
+        parts.append(f"stale {m['staleness/mean']:.1f}")
+    parts += [f"{m['tokens_per_s']:.0f} tok/s", f"{m['step_time_s']:.2f}s"]
+    return " | ".join(parts)
+
+
+class MetricsSink:
+    """One per run, in the driver. MLflow holds params (flattened config), per-step metrics, artefacts."""
+
+    def __init__(self, cfg, resolved: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+        self.jsonl = open(self.out / "metrics.jsonl", "a")  # noqa: SIM115  (open for the run's lifetime)
+        self.history: list[dict[str, float]] = []
+        self.mlflow = None
+        if cfg.logger.name == "mlflow":
+            self._start_mlflow(resolved)
+
+    def _start_mlflow(self, resolved: dict[str, Any]) -> None:
+        os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        import mlflow
+
+        uri = self.cfg.logger.tracking_uri or f"sqlite:///{(self.out / 'mlflow.db').resolve()}"
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(self.cfg.logger.experiment_name)
+        parent = os.environ.get("RELAX_PARENT_RUN_ID")
+        run = mlflow.start_run(run_name=self.cfg.logger.run_name, nested=bool(parent), parent_run_id=parent)
+        params = {k: str(v)[:6000] for k, v in flatten(resolved).items()}
+        items = list(params.items())
+        for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+            mlflow.log_params(dict(items[i : i + 100]))
+        mlflow.log_artifact(str(self.out / "config.yaml"))
+        self.mlflow = mlflow
+        self.run_id = run.info.run_id
+        log.info("MLflow run %s at %s", run.info.run_id, uri)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.history.append(record)
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.mlflow:
+            finite = {k.replace("@", "_"): v for k, v in record.items() if k != "step" and math.isfinite(v)}
+            self.mlflow.log_metrics(finite, step=step)
+
+    def plot(self) -> Path | None:
+        """PNG of the reward per step (mean ± std band) and the eval accuracy points."""
+        steps = [r for r in self.history if "reward/mean" in r]
+        if not steps:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        x = [r["step"] for r in steps]
+        mean = [r["reward/mean"] for r in steps]
+        std = [r["reward/std"] for r in steps]
+        ax.plot(x, mean, color="tab:blue", lw=1.2, label="train reward (mean)")
+        ax.fill_between(
+            x,
+            [m - s for m, s in zip(mean, std)],
+            [m + s for m, s in zip(mean, std)],
+            color="tab:blue",
+            alpha=0.12,
+            label="± std",
+        )
+        evals = [r for r in self.history if "eval/accuracy" in r]
+        if evals:
+            ax.plot(
+                [r["step"] for r in evals],
+                [r["eval/accuracy"] for r in evals],
+                "o-",
+                color="tab:red",
+                label="eval accuracy (greedy, held-out)",
+            )
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("reward / accuracy")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        ax.set_title(f"{self.cfg.algorithm.name} · {self.cfg.model.name} · {self.cfg.mode.name}")
+        fig.tight_layout()
+        path = self.out / "reward_curve.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    def finish(self, summary: dict[str, Any], status: str = "FINISHED") -> None:
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot = self.plot() if self.cfg.logger.plot else None
+        if self.mlflow:
+            self.mlflow.log_metrics(
+                {f"summary/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
+            )
+            if plot:
+                self.mlflow.log_artifact(str(plot))
+            self.mlflow.log_artifact(str(self.out / "summary.json"))
+            self.mlflow.end_run(status=status)
+        self.jsonl.close()

@@ -1,0 +1,61 @@
+"""The one place role classes become Ray actors: a group of replicas pinned to placement-group bundles."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+class RoleGroup:
+    """``replicas`` Ray actors of ``role_cls``; replica i lives in bundle ``bundles[i]`` of ``pg``.
+
+    The role class itself knows nothing about Ray: its constructor gets ``*args`` and ``replica=i``
+    when it accepts it, and every method is called through :meth:`call`.
+    """
+
+    def __init__(
+        self,
+        role_cls: type,
+        name: str,
+        replicas: int,
+        pg: PlacementGroup,
+        bundles: list[int],
+        num_cpus: float,
+        num_gpus: float,
+        args: tuple = (),
+        pass_replica: bool = False,
+    ) -> None:
+        self.name = name
+        remote_cls = ray.remote(role_cls)
+        self.actors = [
+            remote_cls.options(
+                name=f"{name}-{i}",
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                max_concurrency=2,  # lets abort()/health() reach an actor that is busy generating
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=bundles[i]
+                ),
+            ).remote(*args, **({"replica": i} if pass_replica else {}))
+            for i in range(replicas)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Call ``method`` on every replica with the same arguments."""
+        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+
+    def call_each(self, method: str, per_replica_args: list[tuple]) -> list[ray.ObjectRef]:
+        """Call ``method`` on replica i with ``per_replica_args[i]``."""
+        return [
+            getattr(a, method).remote(*args) for a, args in zip(self.actors, per_replica_args, strict=True)
+        ]
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)

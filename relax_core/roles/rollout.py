@@ -1,0 +1,82 @@
+"""Rollout role: prompts -> sampled responses scored by the reward hub."""
+
+from __future__ import annotations
+
+import torch
+
+from relax_core.engines import build_engine
+from relax_core.engines.base import GenerationRequest, SamplingParams
+from relax_core.samples import PromptRecord, Sample, SampleStatus
+from relax_models.loader import load_tokenizer
+from relax_rewards.executor import RewardExecutor, RewardItem
+
+FINISH_STATUS = {
+    "stop": SampleStatus.COMPLETED,
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.ABORTED,
+}
+
+
+class Rollout:
+    """One rollout engine plus the reward executor; replicas split a step's prompts between them."""
+
+    def __init__(self, cfg, model_path: str, replica: int = 0) -> None:
+        torch.set_num_threads(cfg.rollout.num_threads)
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(model_path)
+        self.engine = build_engine(
+            cfg.rollout.engine, model_path, self.tokenizer, cfg.model, seed=cfg.seed * 1000 + replica
+        )
+        self.rewards = RewardExecutor.from_config(cfg.reward)
+
+    def _sampling(self, greedy: bool) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=0.0 if greedy else r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            n=1 if greedy else r.n_samples_per_prompt,
+        )
+
+    def generate(self, prompts: list[PromptRecord], greedy: bool = False) -> list[Sample]:
+        """``n_samples_per_prompt`` scored samples per prompt (one when greedy); group id = prompt index."""
+        sampling = self._sampling(greedy)
+        requests = [GenerationRequest(p.prompt_ids, str(p.index), p.multimodal_inputs) for p in prompts]
+        results = self.engine.generate(requests, sampling)
+        samples = []
+        for j, result in enumerate(results):
+            prompt = prompts[j // sampling.n]
+            samples.append(
+                Sample(
+                    group_id=prompt.index,
+                    index_in_group=j % sampling.n,
+                    prompt_ids=prompt.prompt_ids,
+                    response_ids=result.output_ids,
+                    rollout_logprobs=result.logprobs,
+                    loss_mask=[1] * len(result.output_ids),
+                    response_text=self.tokenizer.decode(result.output_ids, skip_special_tokens=True),
+                    label=prompt.label,
+                    metadata=prompt.metadata,
+                    multimodal_inputs=prompt.multimodal_inputs,
+                    status=FINISH_STATUS[result.finish_reason],
+                    policy_version=result.weight_version,
+                )
+            )
+        self.score(samples)
+        return samples
+
+    def score(self, samples: list[Sample]) -> None:
+        """Fill ``reward``/``reward_extras``; a reward that fails scores 0 and is counted."""
+        items = [RewardItem(s.uid, s.response_text, s.label, s.metadata, s.group_id) for s in samples]
+        for sample, outcome in zip(samples, self.rewards.score(items), strict=True):
+            sample.reward = outcome.reward
+            sample.reward_extras = dict(outcome.extras)
+            sample.reward_extras["reward_error"] = float(outcome.error is not None)
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self.engine.update_weights(state_dict, version)
+
+    def shutdown(self) -> None:
+        self.rewards.close()
+        self.engine.shutdown()

@@ -1,0 +1,58 @@
+"""Rules across config fields that types alone cannot express; checked before Ray starts."""
+
+from __future__ import annotations
+
+import relax_rewards
+from relax_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from relax_core.errors import RelaxUserError
+
+
+def _check_choice(key: str, value: str, choices: list[str]) -> None:
+    if value not in choices:
+        raise RelaxUserError(f"{key}={value!r} is not one of {choices}")
+
+
+def validate(cfg) -> None:
+    """Raise :class:`RelaxUserError` naming the first key whose value cannot work."""
+    a, r, t, d = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.data
+    _check_choice("algorithm.advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS.names())
+    _check_choice("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES.names())
+    _check_choice("algorithm.loss_agg_mode", a.loss_agg_mode, LOSS_AGGREGATIONS.names())
+    _check_choice("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS.names())
+    _check_choice("data.on_error", d.on_error, ["raise", "skip"])
+    _check_choice("trainer.lr_decay", t.lr_decay, ["constant", "cosine"])
+    if cfg.reward._target_ is None:
+        _check_choice("reward.name", cfg.reward.name, relax_rewards.available())
+    for key, value in {
+        "rollout.batch_size": r.batch_size,
+        "rollout.n_samples_per_prompt": r.n_samples_per_prompt,
+        "rollout.max_new_tokens": r.max_new_tokens,
+        "rollout.num_engines": r.num_engines,
+        "trainer.total_steps": t.total_steps,
+        "trainer.micro_batch_size": t.micro_batch_size,
+        "algorithm.ppo_epochs": a.ppo_epochs,
+    }.items():
+        if value < 1:
+            raise RelaxUserError(f"{key} must be >= 1, got {value}")
+    if r.num_engines > r.batch_size:
+        raise RelaxUserError(
+            f"rollout.num_engines={r.num_engines} exceeds rollout.batch_size={r.batch_size}: some engines would idle"
+        )
+    if not 0.0 < r.top_p <= 1.0:
+        raise RelaxUserError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    if a.clip_c is not None and a.clip_c <= 1.0:
+        raise RelaxUserError(f"algorithm.clip_c (dual clip) must be > 1 or null, got {a.clip_c}")
+    if a.norm_adv_by_std and r.n_samples_per_prompt < 2 and a.advantage_estimator == "grpo":
+        raise RelaxUserError(
+            "algorithm grpo needs rollout.n_samples_per_prompt >= 2 (a group to normalise over)"
+        )
+    if cfg.mode.max_staleness < 0:
+        raise RelaxUserError(f"mode.max_staleness must be >= 0, got {cfg.mode.max_staleness}")
+    if cfg.mode.name == "colocate" and cfg.mode.max_staleness != 0:
+        raise RelaxUserError(
+            "mode=colocate is strictly on-policy: mode.max_staleness must be 0 (use mode=async)"
+        )
+    if t.sft_warmup_steps and not d.label_key:
+        raise RelaxUserError(
+            "trainer.sft_warmup_steps needs data.label_key (labels are the warm-start targets)"
+        )

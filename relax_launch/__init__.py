@@ -1,0 +1,1 @@
+"""``python -m relax_launch``: compose the config, validate it, start Ray and run the experiment."""

@@ -1,0 +1,3 @@
+from relax_launch.cli import main
+
+main()

@@ -1,0 +1,94 @@
+"""The Hydra entry point. ``python -m relax_launch [overrides]`` lands here."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from relax_core.config import RelaxConfig
+from relax_core.errors import RelaxUserError
+
+CONFIG_MODULE = "relax_launch.conf"
+ConfigStore.instance().store(name="relax_schema", node=RelaxConfig)
+log = logging.getLogger("relax")
+
+
+@hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    from relax_launch.run import run_experiment
+
+    try:
+        check_schema(cfg)
+    except RelaxUserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    cfg.output_dir = HydraConfig.get().runtime.output_dir
+    try:
+        run_experiment(cfg)
+    except RelaxUserError as err:
+        log.error("error: %s", err)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def unknown_keys(node: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:
+    """Keys of ``node`` that its dataclass schema lacks (free-form dict fields are not checked)."""
+    found = []
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if key not in schema:
+            found.append(name)
+            continue
+        child, ref = node._get_node(key), schema._get_node(key)
+        if (
+            isinstance(child, DictConfig)
+            and isinstance(ref, DictConfig)
+            and OmegaConf.get_type(ref) not in (dict, None)
+        ):
+            found += unknown_keys(child, ref, name + ".")
+    return found
+
+
+def check_schema(cfg: DictConfig) -> None:
+    """Fail on keys the schema lacks: ``+group.key=...`` opens Hydra's struct flag and would slip through."""
+    extra = unknown_keys(cfg, OmegaConf.structured(RelaxConfig))
+    if extra:
+        raise RelaxUserError(f"{extra[0]}: not a field of the config schema (relax_core/config.py)")
+
+
+def composition_problem(overrides: list[str]) -> str | None:
+    """One line naming what is wrong with ``overrides``, or None when the config composes."""
+    from hydra import compose, initialize_config_module
+
+    try:
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            check_schema(compose("config", overrides=overrides))
+    except Exception as err:  # noqa: BLE001  (Hydra and OmegaConf raise many types; all are user errors)
+        if isinstance(err, RelaxUserError):
+            return str(err)
+        cause = err.__cause__
+        if cause is not None and getattr(cause, "full_key", None):
+            return f"{cause.full_key}: {str(cause).splitlines()[0]}"
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+        lines = lines[
+            : next((i for i, ln in enumerate(lines) if ln.startswith("Config search path")), len(lines))
+        ]
+        return "; ".join(lines)
+    return None
+
+
+def main() -> None:
+    # Plain runs get a one-line message for a bad override; flagged invocations (--cfg, -m, --help, ...)
+    # go to Hydra untouched.
+    args = sys.argv[1:]
+    if args and not any(a.startswith("-") for a in args):
+        problem = composition_problem(args)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            sys.exit(2)
+    _hydra_main()
