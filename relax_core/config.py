@@ -14,6 +14,43 @@ from relax_rewards.config import RewardConfig
 
 
 @dataclass
+class CriticConfig:
+    """PPO value model: a scalar head on a copy of the policy architecture (``algorithm.critic``)."""
+
+    # HF folder of the value model's trunk; null: the policy's initial weights
+    model_path: str | None = None
+    lr: float = 1.0e-3
+    # clipped value loss: V_old ± value_clip (null disables clipping)
+    value_clip: float | None = 0.2
+    # RL steps at the start that train only the critic (the actor waits for a sensible baseline)
+    warmup_steps: int = 0
+    # optimizer steps on each batch
+    epochs: int = 1
+    micro_batch_size: int = 128
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TeacherConfig:
+    """On-policy distillation teacher (``algorithm.teacher``): a frozen model that scores student samples."""
+
+    # HF folder with the same tokenizer as the student; null builds the digits teacher into cache_dir
+    path: str | None = None
+    # where a missing default teacher is trained and kept (null: $RELAX_CACHE_DIR or ~/.cache/relax)
+    cache_dir: str | None = None
+    # A_t -= coef * (log p_student - log p_teacher)
+    coef: float = 1.0
+    # true: the task reward is ignored, the teacher's per-token signal is the only advantage
+    teacher_only: bool = False
+    # the default digits teacher: dimensions and supervised steps (see scripts/train_teacher.py)
+    hidden_size: int = 192
+    num_hidden_layers: int = 4
+    train_steps: int = 300
+    train_batch_size: int = 64
+    train_lr: float = 3.0e-3
+
+
+@dataclass
 class AlgorithmConfig:
     """How rewards become advantages and advantages become a loss (``conf/algorithm/``)."""
 
@@ -37,6 +74,29 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     # constant divisor of seq-mean-token-sum-norm aggregation (null: the max response length)
     loss_scale: float | None = None
+    # |log π − log π_old| clamp before exp() in every ratio
+    log_ratio_clamp: float = 20.0
+    # truncated importance sampling against rollout log-probs: w = min(π_old/π_rollout, tis_cap); null off
+    tis_cap: float | None = None
+    # SAPO soft-gate temperatures for positive / non-positive advantages
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    # discount and GAE lambda (ppo, reinforce_pp)
+    gamma: float = 1.0
+    lam: float = 1.0
+    # reward-side KL penalty per token (reinforce_pp): r_t -= kl_reward_coef * KL(π_old‖π_ref)
+    kl_reward_coef: float = 0.0
+    # DAPO dynamic sampling: drop groups whose rewards are all equal and refill by sampling more prompts
+    dynamic_sampling: bool = False
+    # most generation rounds per step while refilling (each round samples rollout.batch_size prompts)
+    max_gen_batches: int = 4
+    # DAPO soft overlong penalty: buffer length before rollout.max_new_tokens (0 off) and its size
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
+    # PPO value model (required by advantage_estimator=gae)
+    critic: CriticConfig | None = None
+    # on-policy distillation teacher (opd)
+    teacher: TeacherConfig | None = None
 
 
 @dataclass
@@ -51,6 +111,10 @@ class TinyModelSpec:
     head_dim: int = 32
     max_position_embeddings: int = 256
     tie_word_embeddings: bool = True
+    # multimodal twins (relax_models.tiny_multimodal): overrides of the vision / audio tower configs;
+    # a tower is built when the family has it, null keeps that builder's defaults
+    vision: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
 
 
 @dataclass
@@ -74,7 +138,8 @@ class ModalityConfig:
     """Which inputs the prompts carry (``conf/modality/``)."""
 
     name: str = "text"
-    # dataset column -> role, e.g. {image: images, audio: audios}
+    # input kind -> dataset column holding that kind's items (a path/bytes or a list of them), e.g.
+    # {image: images, audio: audios}; relative paths are taken from the dataset file's folder
     keys: dict[str, str] = field(default_factory=dict)
     min_pixels: int = 3136
     max_pixels: int = 401408
@@ -82,6 +147,8 @@ class ModalityConfig:
     min_frames: int = 4
     max_frames: int = 32
     audio_sample_rate: int = 16000
+    # LLM tokens one video may cost (null: relax_models.processors.DEFAULT_VIDEO_MAX_TOKENS)
+    video_max_tokens: int | None = None
 
 
 @dataclass
@@ -118,6 +185,17 @@ class ClusterConfig:
     additional_sbatch: dict[str, Any] = field(default_factory=dict)
     ray_port: int = 6379
     log_dir: str = "slurm_logs"
+    # cluster=slurm: job name, shell lines run before the job (module load, venv), and whether the
+    # submitting command waits for the job (false: print the job id and return)
+    job_name: str = "relax"
+    setup: list[str] = field(default_factory=list)
+    wait: bool = True
+    # requeues after preemption/time limit (submitit checkpoint signal) before the job gives up
+    max_requeues: int = 3
+    # seconds before the time limit at which Slurm sends the checkpoint signal
+    signal_delay_s: int = 120
+    # whole-run restarts from the last checkpoint (Actor lost, or a role restarted too often)
+    max_global_restarts: int = 2
 
 
 @dataclass
@@ -166,6 +244,16 @@ class RolloutConfig:
     # fraction of a CPU each engine actor reserves from Ray
     num_cpus: float = 0.5
     num_gpus: float = 0.0
+    # agentic multi-turn rollout (relax_core/agentic): {_target_: pkg.module.EnvClass, **kwargs}, one
+    # environment per sample; null keeps single-turn generation
+    env: dict[str, Any] | None = None
+    # an episode ends after max_turns model turns, at max_context_len tokens, or when the env says done
+    max_turns: int = 4
+    max_context_len: int = 256
+    # seconds one env reset/step may take before the sample is ended as FAILED
+    env_step_timeout_s: float = 10.0
+    # FAILED samples (env raised or hung) get reward 0 and: "mask" (no loss) or "keep" (trained on)
+    failed_sample_policy: str = "mask"
 
 
 @dataclass
@@ -207,6 +295,13 @@ class TrainerConfig:
     keep_last: int = 2
     # "auto" continues from the newest checkpoint in the run dir, or a checkpoint path
     resume: str | None = None
+    # write the trained policy as an HF folder to <output_dir>/final_model at the end of the run
+    export_final_model: bool = True
+    # health manager: heartbeat period, silence after which a role counts as hung, in-place restarts of
+    # one role before it forces a global restart
+    heartbeat_interval_s: float = 2.0
+    heartbeat_timeout_s: float = 120.0
+    max_role_restarts: int = 3
     num_threads: int = 2
     num_cpus: float = 0.5
     num_gpus: float = 0.0

@@ -59,6 +59,8 @@ class Controller:
         self.resolved = resolved
         self.model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
         self.tokenizer = load_tokenizer(self.model_path)
+        if cfg.rollout.env is not None:
+            import relax_core.agentic  # noqa: F401  (registers the agentic synthetic tasks)
         train_path, eval_path = dataset_paths(cfg.data, cfg.output_dir, cfg.seed)
         train, self.skipped_rows = load_prompts(train_path, cfg.data, self.tokenizer)
         self.eval_prompts = load_prompts(eval_path, cfg.data, self.tokenizer)[0] if eval_path else []
@@ -133,6 +135,11 @@ class Controller:
         for i in range(t.sft_warmup_steps):
             prompts = self.stream.next_batch(t.sft_batch_size)
             samples = []
+            if self.cfg.rollout.env is not None:  # agentic: expert episodes against the environment
+                from relax_core.agentic.warmstart import expert_samples
+
+                samples = expert_samples(prompts, self.cfg.rollout, self.tokenizer, seed=self.cfg.seed + i)
+                prompts = []
             for p in prompts:
                 target = self.tokenizer(str(p.label), add_special_tokens=False).input_ids + [eos]
                 samples.append(

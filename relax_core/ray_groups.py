@@ -30,9 +30,11 @@ class RoleGroup:
     ) -> None:
         self.name = name
         remote_cls = ray.remote(role_cls)
-        self.actors = [
-            remote_cls.options(
-                name=f"{name}-{i}",
+        self.restarts = [0] * replicas  # in-place restarts per replica (HealthManager)
+
+        def spawn(i: int, attempt: int = 0):
+            return remote_cls.options(
+                name=f"{name}-{i}" + (f"-r{attempt}" if attempt else ""),
                 num_cpus=num_cpus,
                 num_gpus=num_gpus,
                 max_concurrency=2,  # lets abort()/health() reach an actor that is busy generating
@@ -40,8 +42,19 @@ class RoleGroup:
                     pg, placement_group_bundle_index=bundles[i]
                 ),
             ).remote(*args, **({"replica": i} if pass_replica else {}))
-            for i in range(replicas)
-        ]
+
+        self._spawn = spawn
+        self.actors = [spawn(i) for i in range(replicas)]
+
+    def restart(self, i: int) -> Any:
+        """Replace replica ``i`` (dead or hung) by a fresh actor in the same bundle; returns the new handle."""
+        try:
+            ray.kill(self.actors[i], no_restart=True)
+        except Exception:  # already gone
+            pass
+        self.restarts[i] += 1
+        self.actors[i] = self._spawn(i, self.restarts[i])
+        return self.actors[i]
 
     def __len__(self) -> int:
         return len(self.actors)

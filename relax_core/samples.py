@@ -32,6 +32,9 @@ class PromptRecord:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     multimodal_inputs: dict[str, Any] | None = None
+    # media items (paths, bytes) of a multimodal row by kind; ``multimodal_inputs`` is built from them when
+    # the prompt is drawn (relax_core.multimodal), so a loaded dataset holds no pixel/audio tensors
+    media: dict[str, list[Any]] | None = None
 
 
 @dataclass
@@ -53,6 +56,9 @@ class Sample:
     status: SampleStatus = SampleStatus.COMPLETED
     policy_version: int = 0
     num_turns: int = 1
+    # why generation ended: "eos"/"length" single-turn; multi-turn "done", "max_turns", "context", "env_error",
+    # "env_timeout", "abort"
+    stop_reason: str = ""
 
     @property
     def uid(self) -> str:

@@ -56,3 +56,11 @@ def validate(cfg) -> None:
         raise RelaxUserError(
             "trainer.sft_warmup_steps needs data.label_key (labels are the warm-start targets)"
         )
+    if t.backend == "megatron":
+        from relax_models.megatron.launch import check_megatron_launch
+
+        check_megatron_launch(cfg)
+    if r.env is not None:
+        from relax_core.agentic.validation import validate_agentic
+
+        validate_agentic(cfg)

@@ -25,10 +25,19 @@ def resolve_model_path(model_cfg, output_dir: str, seed: int) -> str:
         return str(path)
     if model_cfg.tiny is None:
         raise RelaxUserError(f"model {model_cfg.name!r} has no weights: set model.path=/path/to/hf/folder")
-    from relax_models.tiny import build_tiny_qwen3
+    from relax_models.families import get_family
 
+    family = get_family(model_cfg.family)
     spec = model_cfg.tiny if isinstance(model_cfg.tiny, dict) else dataclasses.asdict(model_cfg.tiny)
-    return str(build_tiny_qwen3(Path(output_dir) / "model_init", seed=seed, **spec))
+    spec = dict(spec)
+    for tower, kinds in (("vision", {"image", "video"}), ("audio", {"audio"})):
+        if spec.get(tower) is not None and not kinds & family.inputs:
+            raise RelaxUserError(
+                f"model.tiny.{tower} is set but model family {family.name} has no {tower} tower; remove it"
+            )
+        if spec.get(tower) is None:
+            spec.pop(tower, None)
+    return str(family.build_tiny(Path(output_dir) / "model_init", seed=seed, **spec))
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -39,13 +48,29 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_causal_lm(path: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """An ``AutoModelForCausalLM`` from a local folder, on CPU, in ``dtype``."""
+def load_causal_lm(
+    path: str, dtype: str = "float32", attn_implementation: str = "sdpa", family: str | None = None
+) -> torch.nn.Module:
+    """The trainable model of a local folder, on CPU, in ``dtype``.
+
+    ``family`` (``model.family``) picks the class from ``relax_models.families`` and checks the folder's
+    ``model_type`` against it; without it the family follows from the ``model_type``, and a folder of no
+    known family falls back to ``AutoModelForCausalLM``. Multimodal families load their conditional-
+    generation class (for Qwen3-Omni: the thinker), which a plain ``AutoModelForCausalLM`` would not.
+    """
     if dtype not in DTYPES:
         raise RelaxUserError(f"model.dtype={dtype!r} is not one of {sorted(DTYPES)}")
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], attn_implementation=attn_implementation
-    )
+    from relax_models.families import FAMILIES, family_for_model_type, get_family
+
+    if family is None:
+        model_type = model_family(path)
+        known = {t for spec in FAMILIES.values() for t in spec.model_types}
+        if model_type not in known:
+            return AutoModelForCausalLM.from_pretrained(
+                path, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+            )
+        family = family_for_model_type(model_type)
+    return get_family(family).load(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
 
 
 def model_family(path: str) -> str:

@@ -4,7 +4,7 @@ Importing this package registers every estimator, loss, KL and aggregation; an a
 (``conf/algorithm/*.yaml``) selects them by name.
 """
 
-from relax_core.algorithms import advantages, aggregation, kl, policy_loss  # noqa: F401  (registration)
+from relax_core.algorithms import advantages, aggregation, kl, policy_loss, shaping  # noqa: F401  (registration)
 from relax_core.algorithms.registry import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,

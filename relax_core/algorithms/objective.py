@@ -9,10 +9,22 @@ from relax_core.algorithms.registry import KL_ESTIMATORS, LOSS_AGGREGATIONS, POL
 from relax_core.samples import TrainBatch
 
 
+def truncated_is_weights(
+    old_logprob: torch.Tensor, rollout_logprob: torch.Tensor, cap: float, clamp: float = 20.0
+) -> torch.Tensor:
+    """Truncated importance sampling against the rollout engine: w = min(exp(log π_old − log π_rollout), C).
+
+    Corrects the mismatch between the engine that sampled and the trainer that scores (different kernels,
+    precision, stale weights); detached, so it only reweights the policy-gradient terms.
+    """
+    log_w = (old_logprob.detach() - rollout_logprob).clamp(-clamp, clamp)
+    return log_w.exp().clamp(max=cap)
+
+
 def policy_objective(
     batch: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor, cfg, weight: float = 1.0
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """loss = agg(ℓ_policy) − c_H·agg(H) + c_KL·agg(KL(π‖π_ref)), times ``weight``.
+    """loss = agg(w_TIS·ℓ_policy) − c_H·agg(H) + c_KL·agg(KL(π‖π_ref)), times ``weight``.
 
     ``batch.extras`` must hold ``advantages`` and, off-policy, ``old_logprobs`` (else the detached current
     log-probs are used: ratio 1, the on-policy case); ``ref_logprobs`` when ``cfg.kl_loss_coef > 0``.
@@ -25,6 +37,11 @@ def policy_objective(
     pg_loss_tokens, metrics = POLICY_LOSSES.get(cfg.policy_loss)(
         logprobs, old, batch.extras["advantages"], mask, cfg
     )
+    if getattr(cfg, "tis_cap", None):
+        weights = truncated_is_weights(old, batch.rollout_logprobs, cfg.tis_cap)
+        pg_loss_tokens = pg_loss_tokens * weights
+        metrics["tis/weight_mean"] = masked_mean(weights, mask)
+        metrics["tis/clip_frac"] = masked_mean((weights >= cfg.tis_cap).float(), mask)
     pg_loss = aggregate(pg_loss_tokens, mask, cfg.loss_scale)
     entropy_mean = masked_mean(entropy, mask)
     loss = pg_loss

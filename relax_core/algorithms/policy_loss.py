@@ -15,10 +15,28 @@ from relax_core.algorithms.registry import POLICY_LOSSES
 LOG_RATIO_CLAMP = 20.0
 
 
-def importance_ratio(logprob: torch.Tensor, old_logprob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """r = exp(clamp(log π − log π_old, ±20)); returns (ratio, log_ratio)."""
-    log_ratio = (logprob - old_logprob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+def importance_ratio(
+    logprob: torch.Tensor, old_logprob: torch.Tensor, clamp: float = LOG_RATIO_CLAMP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """r = exp(clamp(log π − log π_old, ±clamp)); returns (ratio, log_ratio)."""
+    log_ratio = (logprob - old_logprob).clamp(-clamp, clamp)
     return log_ratio.exp(), log_ratio
+
+
+def _clamp_of(cfg) -> float:
+    return float(getattr(cfg, "log_ratio_clamp", None) or LOG_RATIO_CLAMP)
+
+
+def ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """approx KL ½·mean(log r)² and mean/min/max of the ratio over trained tokens."""
+    any_token = bool(mask.any())
+    big = torch.finfo(ratio.dtype).max
+    return {
+        "approx_kl": masked_mean(0.5 * log_ratio.square(), mask),
+        "ratio_mean": masked_mean(ratio, mask),
+        "ratio_max": ratio.masked_fill(mask == 0, -big).max() if any_token else ratio.new_zeros(()),
+        "ratio_min": ratio.masked_fill(mask == 0, big).min() if any_token else ratio.new_zeros(()),
+    }
 
 
 @POLICY_LOSSES.register("ppo_clip")
@@ -34,7 +52,7 @@ def ppo_clip_loss(
     ℓ = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high));
     for A < 0 with dual clip c > 1:  ℓ = min(ℓ, −A·c)  (bounds the loss when r ≫ 1).
     """
-    ratio, log_ratio = importance_ratio(logprob, old_logprob)
+    ratio, log_ratio = importance_ratio(logprob, old_logprob, _clamp_of(cfg))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -46,7 +64,80 @@ def ppo_clip_loss(
         negative = advantages < 0
         metrics["dual_clip_frac"] = masked_mean((negative & (loss > dual)).float(), mask)
         loss = torch.where(negative, torch.minimum(loss, dual), loss)
-    metrics["approx_kl"] = masked_mean(0.5 * log_ratio.square(), mask)
-    metrics["ratio_mean"] = masked_mean(ratio, mask)
-    metrics["ratio_max"] = (ratio * mask).max() if mask.any() else ratio.new_zeros(())
+    metrics.update(ratio_metrics(ratio, log_ratio, mask))
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: one importance ratio per sequence, clipped like PPO.
+
+    s_i = exp( Σ_t m·(log π − log π_old) / Σ_t m );  per token s_{i,t} = sg[s_i]·π(y_t)/sg[π(y_t)]
+    (same value as s_i; its gradient spreads s_i·∇log π over the tokens);
+    ℓ_{i,t} = max(−A·s_{i,t}, −A·clip(s_{i,t}, 1−ε_low, 1+ε_high)).
+    Pair with ``seq-mean-token-mean`` so each sequence weighs the same.
+    """
+    clamp = _clamp_of(cfg)
+    log_ratio = (logprob - old_logprob).clamp(-clamp, clamp)
+    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)
+    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprob - logprob.detach()
+    ratio = token_log_ratio.clamp(-clamp, clamp).exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    metrics = {"clip_frac": masked_mean((clipped > unclipped).float(), mask)}
+    metrics.update(ratio_metrics(ratio, log_ratio, mask))
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO: a smooth, temperature-controlled gate replaces the hard clip.
+
+    f(r) = (4/τ)·σ(τ·(r − 1)),   ℓ = −f(r)·A,   τ = τ_pos if A > 0 else τ_neg.
+    At r = 1 the gradient equals the on-policy one (∇f = 4σ(1−σ)·r·∇log π = ∇log π); far from r = 1 it
+    decays smoothly instead of dropping to zero. A = 0 gives ℓ = 0 and no gradient.
+    """
+    ratio, log_ratio = importance_ratio(logprob, old_logprob, _clamp_of(cfg))
+    tau = torch.where(
+        advantages > 0, torch.full_like(ratio, cfg.tau_pos), torch.full_like(ratio, cfg.tau_neg)
+    )
+    gate = 4.0 / tau * torch.sigmoid(tau * (ratio - 1.0))
+    loss = -gate * advantages
+    # share of tokens whose gate weight 4σ(1−σ) fell below one half (the soft analogue of clipping)
+    sig = torch.sigmoid(tau * (ratio - 1.0))
+    metrics = {"clip_frac": masked_mean((4.0 * sig * (1.0 - sig) < 0.5).float(), mask)}
+    metrics.update(ratio_metrics(ratio, log_ratio, mask))
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO: clip the importance-sampling *weight*, never the token's gradient.
+
+    ℓ = −sg[clip(r, 1−ε_low, 1+ε_high)]·A·log π   (every token keeps a gradient, scaled by the weight).
+    """
+    ratio, log_ratio = importance_ratio(logprob, old_logprob, _clamp_of(cfg))
+    weight = ratio.detach().clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    loss = -weight * advantages * logprob
+    metrics = {"clip_frac": masked_mean((weight != ratio.detach()).float(), mask)}
+    metrics.update(ratio_metrics(ratio, log_ratio, mask))
     return loss, metrics

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
 from relax_core.backends.base import LossFn, TrainingBackend
+from relax_core.backends.schedule import lr_multiplier
 from relax_core.backends.torch_backend import rng_state, set_rng_state
 from relax_core.errors import RelaxUserError
 from relax_core.samples import TrainBatch
@@ -125,7 +126,7 @@ class MegatronBackend(TrainingBackend):
         """Fresh optimizer (and warm-up schedule) state at learning rate ``lr``."""
         t = self.trainer_cfg
         self._base_lr = float(lr)
-        self._warmup = max(int(getattr(t, "lr_warmup_steps", 0)), 0)
+        self._multiplier = lr_multiplier(t)  # the torch backend's schedule (warm-up, constant/cosine)
         self._steps = 0
         if cuda_available():  # GPU: megatron DDP + distributed optimizer
             self._build_megatron_optimizer(lr)
@@ -133,10 +134,7 @@ class MegatronBackend(TrainingBackend):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, weight_decay=t.weight_decay, betas=tuple(t.betas)
         )
-        warmup = self._warmup
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1))
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._multiplier)
 
     def _build_megatron_optimizer(self, lr: float) -> None:  # pragma: no cover - needs CUDA
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -169,7 +167,7 @@ class MegatronBackend(TrainingBackend):
         )
 
     def _lr(self) -> float:
-        return self._base_lr * min(1.0, (self._steps + 1) / (self._warmup + 1))
+        return self._base_lr * self._multiplier(self._steps)
 
     # ------------------------------------------------------------------ forward / train
     def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +200,7 @@ class MegatronBackend(TrainingBackend):
             logprobs, entropy = self._logprobs_entropy(micro)
             loss, metrics = loss_fn(micro, logprobs, entropy)
             loss.backward()
-            metrics["loss"] = float(loss)
+            metrics["loss"] = float(loss.detach())
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
         out = {k: v / len(micro_batches) for k, v in sums.items()}
@@ -221,6 +219,7 @@ class MegatronBackend(TrainingBackend):
         grad_norm = self._clip_grads()
         self.optimizer.step()
         self.scheduler.step()
+        self._steps += 1
         out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0])
         return out
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import random
 from pathlib import Path
@@ -12,8 +11,10 @@ import torch
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
 from relax_core.backends.base import LossFn, TrainingBackend
+from relax_core.backends.schedule import lr_multiplier
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_causal_lm, load_tokenizer
+from relax_core.multimodal import multimodal_forward_kwargs
 
 
 def rng_state() -> dict:
@@ -26,26 +27,6 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def lr_multiplier(trainer_cfg):
-    """Linear warm-up over ``lr_warmup_steps``, then constant or cosine decay to ``min_lr_ratio`` at
-    ``total_steps`` optimizer steps."""
-    warmup, total, floor = (
-        max(trainer_cfg.lr_warmup_steps, 0),
-        max(trainer_cfg.total_steps, 1),
-        trainer_cfg.min_lr_ratio,
-    )
-
-    def multiplier(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if trainer_cfg.lr_decay == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(total - warmup, 1))
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return multiplier
-
-
 class TorchBackend(TrainingBackend):
     """One HF model; ``trainable=False`` gives a frozen scorer (Reference, Teacher)."""
 
@@ -54,7 +35,10 @@ class TorchBackend(TrainingBackend):
     ):
         self.model_path = model_path
         self.temperature = temperature
-        self.model = load_causal_lm(model_path, model_cfg.dtype, model_cfg.attn_implementation)
+        self.family = model_cfg.family
+        self.model = load_causal_lm(
+            model_path, model_cfg.dtype, model_cfg.attn_implementation, family=model_cfg.family
+        )
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
         if trainable and model_cfg.gradient_checkpointing:
@@ -72,7 +56,10 @@ class TorchBackend(TrainingBackend):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(t))
 
     def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        # multimodal rows: pixel/audio tensors as forward kwargs; the model derives its M-RoPE positions
+        # from input_ids + grids itself, so no position_ids are passed (right padding is fine)
+        mm = multimodal_forward_kwargs(self.family, self.model, batch)
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **mm).logits
         return token_logprobs_and_entropy(logits, batch, self.temperature)
 
     @torch.no_grad()

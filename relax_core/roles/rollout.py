@@ -28,6 +28,13 @@ class Rollout:
             cfg.rollout.engine, model_path, self.tokenizer, cfg.model, seed=cfg.seed * 1000 + replica
         )
         self.rewards = RewardExecutor.from_config(cfg.reward)
+        self.multi_turn = None
+        if cfg.rollout.env is not None:  # agentic: episodes against an environment (relax_core/agentic)
+            from relax_core.agentic import MultiTurnRunner
+
+            self.multi_turn = MultiTurnRunner(
+                cfg.rollout, self.tokenizer, model_path, seed=cfg.seed * 1000 + replica
+            )
 
     def _sampling(self, greedy: bool) -> SamplingParams:
         r = self.cfg.rollout
@@ -42,6 +49,8 @@ class Rollout:
     def generate(self, prompts: list[PromptRecord], greedy: bool = False) -> list[Sample]:
         """``n_samples_per_prompt`` scored samples per prompt (one when greedy); group id = prompt index."""
         sampling = self._sampling(greedy)
+        if self.multi_turn is not None:
+            return self.multi_turn.generate(self.engine, prompts, sampling, self.score)
         requests = [GenerationRequest(p.prompt_ids, str(p.index), p.multimodal_inputs) for p in prompts]
         results = self.engine.generate(requests, sampling)
         samples = []
@@ -76,6 +85,21 @@ class Rollout:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self.engine.update_weights(state_dict, version)
+
+    def rng_state(self) -> dict:
+        """Sampling RNG of the engine and torch's global RNG: saved in checkpoints so that a resumed run draws
+        the same samples the uninterrupted one would."""
+        generator = getattr(self.engine, "generator", None)
+        return {
+            "generator": generator.get_state() if generator is not None else None,
+            "torch": torch.get_rng_state(),
+        }
+
+    def set_rng_state(self, state: dict) -> None:
+        generator = getattr(self.engine, "generator", None)
+        if generator is not None and state.get("generator") is not None:
+            generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch"])
 
     def shutdown(self) -> None:
         self.rewards.close()

@@ -200,7 +200,9 @@ def bootstrap_ray_in_allocation(
         RuntimeError: not in a Slurm job, or a Ray process failed to start.
         TimeoutError: nodes did not register within ``timeout_s``.
     """
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 turns token auth on; workers have no token
+    # Ray 2.60: `ray start` turns token auth on whenever ~/.ray/auth_token exists (a local `ray.init()` writes
+    # one), so whether a node needs a token would depend on its home dir. Pin it off unless the user chose.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     alloc = SlurmAllocation.from_env()
     port = port or default_ray_port(alloc.job_id)
@@ -511,7 +513,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("run needs a command after --")
-    address = bootstrap_ray_in_allocation(args.num_cpus, args.num_gpus, args.port, timeout_s=args.timeout)
+    try:
+        address = bootstrap_ray_in_allocation(args.num_cpus, args.num_gpus, args.port, timeout_s=args.timeout)
+    except (RuntimeError, TimeoutError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if address is None:
         return 0
     # Forward scancel/timeout signals to the command, then tear the cluster down.

@@ -1,0 +1,12 @@
+"""Agentic RL: multi-turn episodes against interaction environments, with loss-masked observations.
+
+Set ``rollout.env._target_`` to a :class:`BaseInteractionEnv` subclass and the Rollout role runs episodes
+(:mod:`relax_core.agentic.multiturn`) instead of single-turn generation. Importing this package also
+registers the example tasks (``data.synthetic=calc`` / ``guess``).
+"""
+
+from relax_core.agentic import tasks  # noqa: F401  (registers synthetic tasks)
+from relax_core.agentic.env import BaseInteractionEnv, EnvFailure
+from relax_core.agentic.multiturn import MultiTurnRunner
+
+__all__ = ["BaseInteractionEnv", "EnvFailure", "MultiTurnRunner"]

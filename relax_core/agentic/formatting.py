@@ -1,0 +1,94 @@
+"""Observation messages -> tokens appended to a multi-turn context (chat template or plain text).
+
+With a chat template, an observation's text is what the template puts after an assistant turn for the
+new message, found by rendering a conversation around a sentinel assistant reply; the model's own end
+token (EOS) that closes its turn is already in the context, so the template's copy of it is dropped.
+Without a template (the tiny character tokenizer) an observation is its text plus a newline.
+Images in an observation are expanded by the model's processor and their tensors are appended to the
+sample's multimodal inputs, so later turns (and training) see every image of the episode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from relax_core.errors import RelaxUserError
+
+SENTINEL = "\u2063RELAX_TURN\u2063"
+IMAGE_MARKER = "<image>"
+# tensors that grow by concatenation along dim 0 when a turn adds media
+_CONCAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+class ObservationFormatter:
+    def __init__(self, tokenizer, model_path: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.use_chat = bool(getattr(tokenizer, "chat_template", None))
+        self._processor = None
+
+    def text(self, message: dict[str, Any], ended_with_eos: bool = True) -> str:
+        """The context text an observation message adds after a model turn."""
+        content = str(message.get("content", ""))
+        images = message.get("images") or []
+        if images and IMAGE_MARKER not in content:
+            content = IMAGE_MARKER * len(images) + content
+        if not self.use_chat:
+            return content + "\n"
+        msg = {"role": message.get("role", "user"), "content": content}
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}, msg],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        tail = rendered.split(SENTINEL, 1)[1]
+        eos = self.tokenizer.eos_token or ""
+        if ended_with_eos and eos and tail.startswith(eos):
+            tail = tail[len(eos) :]
+        return tail
+
+    def encode(
+        self, message: dict[str, Any], ended_with_eos: bool = True
+    ) -> tuple[list[int], dict[str, torch.Tensor] | None]:
+        """Token ids of the observation and, when it carries images, their processor tensors."""
+        text = self.text(message, ended_with_eos)
+        images = message.get("images") or []
+        if not images:
+            return self.tokenizer(text, add_special_tokens=False).input_ids, None
+        from relax_models.processors.processor import build_multimodal_inputs
+
+        return build_multimodal_inputs(self.processor, text, images=images)
+
+    @property
+    def processor(self):
+        if self._processor is None:
+            if self.model_path is None:
+                raise RelaxUserError("an environment returned images but the model has no processor")
+            from relax_models.processors.processor import load_processor
+
+            self._processor = load_processor(self.model_path)
+        return self._processor
+
+
+def merge_multimodal(
+    context: dict[str, torch.Tensor] | None, added: dict[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor] | None:
+    """The multimodal inputs of a context after a turn added media: items in order of appearance.
+
+    A new dict (the prompt's dict is shared by the samples of a group and must not change).
+    """
+    if not added:
+        return context
+    if not context:
+        return dict(added)
+    merged = dict(context)
+    for key, value in added.items():
+        if key in merged and key in _CONCAT_KEYS:
+            merged[key] = torch.cat([merged[key], value], dim=0)
+        elif key in merged:
+            raise ValueError(f"cannot append multimodal input {key!r} across turns")
+        else:
+            merged[key] = value
+    return merged

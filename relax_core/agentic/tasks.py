@@ -1,0 +1,32 @@
+"""Synthetic datasets for the example environments (``data.synthetic=calc`` / ``guess``).
+
+The row is the task: its prompt is what the model reads first, its label and metadata reach the
+environment's constructor.
+"""
+
+from __future__ import annotations
+
+import random
+
+from relax_core.data import synthetic_task
+
+
+@synthetic_task("calc")
+def calc_row(rng: random.Random, cfg) -> dict:
+    """``37+45`` -> 82, with operands of ``min_digits``..``max_digits`` digits (too hard to add unaided)."""
+    width = rng.randint(cfg.min_digits, cfg.max_digits)
+    a, b = rng.randint(10 ** (width - 1), 10**width - 1), rng.randint(10 ** (width - 1), 10**width - 1)
+    expr = f"{a}+{b}"
+    return {"prompt": expr, "label": str(a + b), "metadata": {"expr": expr}}
+
+
+@synthetic_task("guess")
+def guess_row(rng: random.Random, cfg) -> dict:
+    """``417 guess 1-15``: find a secret in 1..15. The leading game number only makes prompts distinct, so
+    the eval split (separated from train by prompt text) can hold every secret."""
+    high = 15
+    return {
+        "prompt": f"{rng.randint(0, 999):03d} guess 1-{high}",
+        "label": str(rng.randint(1, high)),
+        "metadata": {"low": 1, "high": high},
+    }

@@ -1,0 +1,243 @@
+"""HealthManager: watches every role actor of a run and decides how to recover when one fails.
+
+* **Heartbeats.** A daemon thread in the driver pings every replica of every role group each
+  ``trainer.heartbeat_interval_s`` (Ray's built-in ``__ray_ready__`` call, answered on the actor's spare
+  concurrency slot even while it is busy). A replica whose process is gone fails the ping at once; one
+  that has not answered for ``trainer.heartbeat_timeout_s`` is hung and is killed, so that whatever the
+  loop is waiting on fails instead of blocking forever.
+* **In-place restart.** When a step fails because a role actor died (a ``RayActorError`` from ``ray.get``),
+  the dead replicas are replaced by fresh actors in their placement-group bundles, rollout engines get the
+  current weights, the data stream is rewound to where the step began and the step runs again. The step is
+  neither lost nor repeated: its prompts are drawn again from the same position. Reward worker processes
+  are restarted by the reward executor itself (``relax_rewards.executor``).
+* **Global restart.** The Actor holds optimizer state no copy of which exists outside it, so losing it (or
+  a replica restarted ``trainer.max_role_restarts`` times) restarts every role and resumes from the last
+  checkpoint (``trainer.save_every`` must be > 0). After ``cluster.max_global_restarts`` such restarts the
+  run fails with :class:`RunFailedError`, whose message (and ``<output_dir>/failure_report.json``) says
+  what failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, WorkerCrashedError
+
+from relax_core.ray_groups import RoleGroup
+
+log = logging.getLogger("relax")
+
+# losing one of these cannot be repaired in place: their state lives only in the process
+GLOBAL_ROLES = ("actor",)
+ACTOR_FAILURES = (RayActorError, WorkerCrashedError)
+
+
+class RunFailedError(RuntimeError):
+    """The run cannot continue: recoveries are exhausted. The message is the failure report."""
+
+
+class GlobalRestartNeeded(Exception):
+    """Raised inside the step loop: restart every role from the last checkpoint."""
+
+
+@dataclass
+class HealthEvent:
+    time: float
+    kind: str  # "dead", "hung", "restart", "global_restart", "give_up"
+    role: str
+    replica: int
+    step: int
+    detail: str = ""
+
+
+@dataclass
+class HealthCounters:
+    role_restarts: int = 0
+    global_restarts: int = 0
+    step_retries: int = 0
+    events: list[HealthEvent] = field(default_factory=list)
+
+
+class HealthManager:
+    """One per run, in the driver; ``controller`` exposes its role groups as attributes (RoleGroup)."""
+
+    def __init__(self, controller, trainer_cfg, max_global_restarts: int) -> None:
+        self.c = controller
+        self.interval = trainer_cfg.heartbeat_interval_s
+        self.timeout = trainer_cfg.heartbeat_timeout_s
+        self.max_role_restarts = trainer_cfg.max_role_restarts
+        self.max_global_restarts = max_global_restarts
+        self.counters = HealthCounters()
+        self.current_step = 0
+        self._last_seen: dict[tuple[str, int], float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ role inventory
+    def groups(self) -> dict[str, RoleGroup]:
+        """Every role group the controller holds (rollout, actor, reference, critic, ...)."""
+        return {g.name: g for g in vars(self.c).values() if isinstance(g, RoleGroup)}
+
+    # ------------------------------------------------------------------ heartbeats
+    def start(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._last_seen = {
+                (name, i): now for name, g in self.groups().items() for i in range(len(g))
+            }
+        if self.interval > 0 and self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._beat, name="relax-health", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval + 5)
+            self._thread = None
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.heartbeat_once()
+            except Exception as err:  # the watcher must never take the run down
+                log.debug("heartbeat round failed: %s", err)
+
+    def heartbeat_once(self) -> dict[tuple[str, int], str]:
+        """Ping every replica once; returns {(role, replica): "ok" | "dead" | "late" | "hung"}."""
+        with self._lock:
+            targets = [(name, i, a) for name, g in self.groups().items() for i, a in enumerate(g.actors)]
+        refs = {a.__ray_ready__.remote(): (name, i) for name, i, a in targets}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=max(self.interval, 1.0))
+        status: dict[tuple[str, int], str] = {}
+        now = time.monotonic()
+        for ref in ready:
+            key = refs[ref]
+            try:
+                ray.get(ref)
+                status[key] = "ok"
+                with self._lock:
+                    self._last_seen[key] = now
+            except ACTOR_FAILURES:
+                status[key] = "dead"
+        for ref, key in refs.items():
+            if key in status:
+                continue
+            with self._lock:
+                silent = now - self._last_seen.get(key, now)
+            status[key] = "hung" if silent > self.timeout else "late"
+        for (name, i), state in status.items():
+            if state == "hung":  # kill it: the loop's ray.get on it fails and recovery takes over
+                self._event("hung", name, i, f"no heartbeat for {self.timeout:.0f}s; killed")
+                group = self.groups().get(name)
+                if group is not None:
+                    ray.kill(group.actors[i], no_restart=True)
+        return status
+
+    def _dead_replicas(self) -> list[tuple[str, int]]:
+        """Replicas whose process is gone (a ping that fails, not one that is merely slow)."""
+        with self._lock:
+            targets = [(name, i, a) for name, g in self.groups().items() for i, a in enumerate(g.actors)]
+        dead = []
+        for name, i, actor in targets:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=max(self.timeout, 10.0))
+            except (*ACTOR_FAILURES, GetTimeoutError):
+                dead.append((name, i))
+        return dead
+
+    # ------------------------------------------------------------------ recovery
+    def run_step(self, step: int, fn: Callable[[int], dict[str, float]]) -> dict[str, float]:
+        """``fn(step)`` with in-place recovery; raises :class:`GlobalRestartNeeded` when that cannot work."""
+        self.current_step = step
+        stream_state = self.c.stream.state_dict()
+        while True:
+            try:
+                metrics = fn(step)
+                return metrics | self.metrics()
+            except ACTOR_FAILURES as err:
+                log.warning("step %d: a role actor failed (%s); recovering", step, type(err).__name__)
+                self.recover_in_place(step)
+                self.c.stream.load_state_dict(stream_state)  # the same prompts again: no step lost
+                self.counters.step_retries += 1
+
+    def recover_in_place(self, step: int) -> None:
+        dead = self._dead_replicas()
+        if not dead:  # the failure was transient from the loop's point of view; retry as is
+            return
+        groups = self.groups()
+        for name, i in dead:
+            self._event("dead", name, i, "process gone or unresponsive")
+        for name, i in dead:
+            group = groups[name]
+            if name in GLOBAL_ROLES:
+                raise GlobalRestartNeeded(f"{name}-{i} died")
+            if group.restarts[i] >= self.max_role_restarts:
+                raise GlobalRestartNeeded(f"{name}-{i} failed after {group.restarts[i]} in-place restarts")
+        for name, i in dead:
+            with self._lock:
+                groups[name].restart(i)
+                self._last_seen[(name, i)] = time.monotonic()
+            self.counters.role_restarts += 1
+            self._event("restart", name, i, f"restart {groups[name].restarts[i]} in place")
+        ray.get([g.actors[i].__ray_ready__.remote() for g in [groups[n] for n, _ in dead] for i in [0]])
+        if any(name == "rollout" for name, _ in dead):
+            self.c.push_weights(version=step - 1)  # the new engine serves the current policy
+
+    def begin_global_restart(self, reason: str) -> None:
+        """Count a global restart; fail the run with a report when they are exhausted."""
+        self.counters.global_restarts += 1
+        self._event("global_restart", "run", 0, reason)
+        if self.counters.global_restarts > self.max_global_restarts:
+            self._event("give_up", "run", 0, f"more than {self.max_global_restarts} global restarts")
+            raise RunFailedError(self.report(f"gave up after {self.max_global_restarts} global restarts"))
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "health/role_restarts": float(self.counters.role_restarts),
+            "health/global_restarts": float(self.counters.global_restarts),
+            "health/step_retries": float(self.counters.step_retries),
+        }
+
+    # ------------------------------------------------------------------ state and reporting
+    def _event(self, kind: str, role: str, replica: int, detail: str) -> None:
+        event = HealthEvent(time.time(), kind, role, replica, self.current_step, detail)
+        self.counters.events.append(event)
+        log.warning("health: %s %s-%d at step %d: %s", kind, role, replica, self.current_step, detail)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "role_restarts": self.counters.role_restarts,
+            "global_restarts": self.counters.global_restarts,
+            "step_retries": self.counters.step_retries,
+            "events": [asdict(e) for e in self.counters.events],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Counters survive a resume; the global-restart count is kept from this process (it is higher)."""
+        self.counters.role_restarts = max(self.counters.role_restarts, state.get("role_restarts", 0))
+        self.counters.step_retries = max(self.counters.step_retries, state.get("step_retries", 0))
+        self.counters.global_restarts = max(self.counters.global_restarts, state.get("global_restarts", 0))
+        known = {(e.time, e.kind) for e in self.counters.events}
+        restored = [HealthEvent(**e) for e in state.get("events", []) if (e["time"], e["kind"]) not in known]
+        self.counters.events = sorted(restored + self.counters.events, key=lambda e: e.time)
+
+    def report(self, headline: str) -> str:
+        lines = [f"run failed: {headline}"]
+        for e in self.counters.events:
+            lines.append(f"  step {e.step}: {e.kind} {e.role}-{e.replica}: {e.detail}")
+        return "\n".join(lines)
+
+    def write_report(self, output_dir: str, headline: str) -> Path:
+        path = Path(output_dir) / "failure_report.json"
+        path.write_text(json.dumps({"headline": headline, **self.state_dict()}, indent=2))
+        return path

@@ -1,0 +1,85 @@
+"""Critic role (PPO): a scalar value head on a copy of the policy architecture, trained on GAE returns."""
+
+from __future__ import annotations
+
+import torch
+
+from relax_core.algorithms.logprobs import response_positions
+from relax_core.algorithms.value import clipped_value_loss
+from relax_core.samples import TrainBatch
+from relax_models.loader import load_causal_lm
+
+
+class ValueModel(torch.nn.Module):
+    """The policy's transformer trunk plus ``Linear(hidden, 1)`` on its last hidden state.
+
+    V_t, the value of the state before response token t, is read at the position whose logit predicts
+    token t (``prompt_len + t − 1``), the same position the policy scores that token at.
+    """
+
+    def __init__(self, model_path: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> None:
+        super().__init__()
+        self.trunk = load_causal_lm(model_path, dtype, attn_implementation)
+        self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, batch: TrainBatch) -> torch.Tensor:
+        hidden = self.trunk.base_model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask
+        ).last_hidden_state
+        values = self.head(hidden).squeeze(-1).float()  # [B, L]
+        return values.gather(1, response_positions(batch)) * batch.loss_mask
+
+
+class Critic:
+    def __init__(self, cfg, model_path: str) -> None:
+        torch.set_num_threads(cfg.trainer.num_threads)
+        torch.manual_seed(cfg.seed + 17)
+        if cfg.algorithm.critic is None:
+            raise ValueError("the Critic role needs algorithm.critic")
+        self.cfg = cfg.algorithm.critic
+        self.model = ValueModel(
+            self.cfg.model_path or model_path, cfg.model.dtype, cfg.model.attn_implementation
+        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
+
+    @torch.no_grad()
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """V ``[B, R]`` for every response token (0 at masked tokens)."""
+        self.model.eval()
+        parts = [self.model(mb) for mb in batch.micro_batches(self.cfg.micro_batch_size)]
+        width = batch.loss_mask.shape[1]
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        """``critic.epochs`` optimizer steps on the clipped value loss against ``extras['returns']``.
+
+        ``extras['values']`` are the values the advantages were computed with (V_old of the clip).
+        """
+        self.model.train()
+        total_tokens = max(float(batch.loss_mask.sum()), 1.0)
+        sums: dict[str, float] = {}
+        for _ in range(self.cfg.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in batch.micro_batches(self.cfg.micro_batch_size):
+                values = self.model(micro)
+                loss, metrics = clipped_value_loss(
+                    values, micro.extras["values"], micro.extras["returns"], micro.loss_mask, self.cfg.value_clip
+                )
+                share = float(micro.loss_mask.sum()) / total_tokens
+                (loss * share).backward()
+                sums["critic/vf_loss"] = sums.get("critic/vf_loss", 0.0) + float(loss) * share
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * share
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+            sums["critic/grad_norm"] = sums.get("critic/grad_norm", 0.0) + float(grad_norm)
+        return {k: v / self.cfg.epochs for k, v in sums.items()}
+
+    def load_trunk(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Start the value trunk from the policy's weights (after the supervised warm-start)."""
+        self.model.trunk.load_state_dict(state_dict, strict=False)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}

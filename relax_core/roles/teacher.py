@@ -1,0 +1,211 @@
+"""Teacher role (on-policy distillation): a frozen model that scores the student's sampled tokens.
+
+Any HF folder whose tokenizer matches the student's works (``algorithm.teacher.path``). With no path, the
+default digits teacher — a larger tiny Qwen3 trained supervised on the task — is built once into a cache
+folder by :func:`ensure_default_teacher` (also what ``scripts/train_teacher.py`` runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from relax_core.backends import build_backend
+from relax_core.errors import RelaxUserError
+from relax_core.samples import TrainBatch
+
+log = logging.getLogger("relax")
+
+
+class Teacher:
+    def __init__(self, cfg, teacher_path: str) -> None:
+        torch.set_num_threads(cfg.trainer.num_threads)
+        self.micro_batch_size = cfg.trainer.micro_batch_size
+        self.backend = build_backend(
+            "torch", teacher_path, cfg.trainer, cfg.model, cfg.rollout.temperature, cfg.seed, trainable=False
+        )
+
+    def compute_log_probs(self, batch: TrainBatch) -> torch.Tensor:
+        """log π_teacher of the student's response tokens ``[B, R]``, at the rollout temperature."""
+        return self.backend.forward_logprobs(batch, self.micro_batch_size)
+
+
+def check_tokenizer_match(student_path: str, teacher_path: str) -> None:
+    """Distillation compares per-token log-probs, so both models must share one vocabulary."""
+    from relax_models.loader import load_tokenizer
+
+    student, teacher = load_tokenizer(student_path), load_tokenizer(teacher_path)
+    if student.get_vocab() != teacher.get_vocab():
+        raise RelaxUserError(
+            f"algorithm.teacher.path={teacher_path!r}: its tokenizer differs from the student's "
+            f"({len(teacher)} vs {len(student)} tokens); on-policy distillation needs the same vocabulary"
+        )
+
+
+def teacher_recipe(teacher_cfg, data_cfg, seed: int) -> dict:
+    """Everything that determines the default teacher's weights (its cache key)."""
+    return {
+        "version": 1,
+        "task": data_cfg.synthetic,
+        "min_digits": data_cfg.min_digits,
+        "max_digits": data_cfg.max_digits,
+        "apply_chat_template": data_cfg.apply_chat_template,
+        "system_prompt": data_cfg.system_prompt,
+        "hidden_size": teacher_cfg.hidden_size,
+        "num_hidden_layers": teacher_cfg.num_hidden_layers,
+        "train_steps": teacher_cfg.train_steps,
+        "train_batch_size": teacher_cfg.train_batch_size,
+        "train_lr": teacher_cfg.train_lr,
+        "seed": seed,
+    }
+
+
+def default_cache_dir(teacher_cfg) -> Path:
+    root = teacher_cfg.cache_dir or os.environ.get("RELAX_CACHE_DIR") or "~/.cache/relax"
+    return Path(root).expanduser() / "teachers"
+
+
+def resolve_teacher_path(cfg) -> str:
+    """``algorithm.teacher.path`` if set (must be a model folder); else the cached default teacher."""
+    t = cfg.algorithm.teacher
+    if t.path:
+        if not (Path(t.path).expanduser() / "config.json").is_file():
+            raise RelaxUserError(
+                f"algorithm.teacher.path={t.path!r} is not a model folder (no config.json there)"
+            )
+        return str(Path(t.path).expanduser())
+    if not cfg.data.synthetic:
+        raise RelaxUserError(
+            "algorithm.teacher.path is null but the data is not a built-in task: set algorithm.teacher.path "
+            "to a teacher model folder"
+        )
+    return str(ensure_default_teacher(t, cfg.data, seed=0))
+
+
+def ensure_default_teacher(teacher_cfg, data_cfg, seed: int = 0, folder: str | Path | None = None) -> Path:
+    """Train the default task teacher into ``folder`` (default: the cache) unless it is already there.
+
+    Idempotent: the folder holds ``relax_teacher.json`` with the recipe; a matching one is reused. The model
+    is trained in a temporary sibling and renamed into place, so concurrent runs never see half a teacher.
+    """
+    recipe = teacher_recipe(teacher_cfg, data_cfg, seed)
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
+    folder = Path(folder) if folder else default_cache_dir(teacher_cfg) / f"{data_cfg.synthetic}-{key}"
+    marker = folder / "relax_teacher.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("recipe") == recipe:
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        report = train_task_teacher(teacher_cfg, data_cfg, seed, tmp)
+        (tmp / "relax_teacher.json").write_text(json.dumps({"recipe": recipe, **report}, indent=1))
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def train_task_teacher(teacher_cfg, data_cfg, seed: int, folder: Path) -> dict:
+    """Supervised training of a tiny Qwen3 on the synthetic task's (prompt, label) pairs; writes an HF folder.
+
+    Loss: token-mean negative log-likelihood of ``label + <eos>`` after the rendered prompt — the same
+    prompt text the student sees (``relax_core.data.render_prompt``). Returns accuracy and timing.
+    """
+    from relax_core.algorithms.logprobs import token_logprobs_and_entropy
+    from relax_core.algorithms.masked import masked_mean
+    from relax_core.data import SYNTHETIC_TASKS, render_prompt
+    from relax_core.samples import Sample
+    from relax_models.loader import load_causal_lm, load_tokenizer
+    from relax_models.tiny import build_tiny_qwen3
+
+    start = time.perf_counter()
+    if data_cfg.synthetic not in SYNTHETIC_TASKS:
+        raise RelaxUserError(f"no default teacher for data.synthetic={data_cfg.synthetic!r}")
+    make_row = SYNTHETIC_TASKS[data_cfg.synthetic]
+    hidden, layers = teacher_cfg.hidden_size, teacher_cfg.num_hidden_layers
+    heads = 4
+    build_tiny_qwen3(
+        folder,
+        seed=seed,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        head_dim=hidden // heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    (folder / "relax_tiny.json").unlink(missing_ok=True)
+    tokenizer = load_tokenizer(str(folder))
+    model = load_causal_lm(str(folder))
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=teacher_cfg.train_lr)
+    steps = max(teacher_cfg.train_steps, 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - 0.9 * min(s / steps, 1.0))
+    rng = random.Random(seed + 12345)
+    eos = tokenizer.eos_token_id
+
+    def encode(row: dict) -> tuple[list[int], list[int]]:
+        prompt = tokenizer(render_prompt(row["prompt"], tokenizer, data_cfg), add_special_tokens=False)
+        return prompt.input_ids, tokenizer(str(row["label"]), add_special_tokens=False).input_ids + [eos]
+
+    torch.manual_seed(seed)
+    loss_value = float("nan")
+    for _ in range(steps):
+        samples = []
+        for i in range(teacher_cfg.train_batch_size):
+            prompt_ids, target = encode(make_row(rng, data_cfg))
+            samples.append(Sample(i, 0, prompt_ids, target, [0.0] * len(target), [1] * len(target)))
+        batch = TrainBatch.from_samples(samples, tokenizer.pad_token_id)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logprobs, _ = token_logprobs_and_entropy(logits, batch)
+        loss = -masked_mean(logprobs, batch.loss_mask)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        loss_value = float(loss)
+    model.eval()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    accuracy = greedy_accuracy(model, tokenizer, [make_row(rng, data_cfg) for _ in range(128)], encode)
+    report = {
+        "final_nll": loss_value,
+        "greedy_accuracy": accuracy,
+        "train_seconds": time.perf_counter() - start,
+        "spec": dataclasses.asdict(teacher_cfg) if dataclasses.is_dataclass(teacher_cfg) else dict(teacher_cfg),
+    }
+    log.info("teacher trained in %.1fs: nll %.4f, greedy accuracy %.3f", report["train_seconds"], loss_value, accuracy)
+    return report
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, rows: list[dict], encode) -> float:
+    """Share of rows whose greedy continuation (up to ``<eos>``) equals the label exactly."""
+    solved = 0
+    for row in rows:
+        prompt_ids, target = encode(row)
+        ids = torch.tensor([prompt_ids])
+        for _ in range(len(target) + 2):
+            next_id = int(model(input_ids=ids).logits[0, -1].argmax())
+            if next_id == tokenizer.eos_token_id:
+                break
+            ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+        text = tokenizer.decode(ids[0, len(prompt_ids) :].tolist(), skip_special_tokens=True)
+        solved += int(text.strip() == str(row["label"]))
+    return solved / max(len(rows), 1)
