@@ -17,9 +17,11 @@ The folder must be on storage every node sees (the run dir is, on a cluster with
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +33,11 @@ from relax_core.errors import RelaxUserError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 META = "meta.json"
+log = logging.getLogger("relax")
+
+# Set by a preemption / time-limit handler (relax_launch.cluster.slurm): the step loop saves a checkpoint at
+# the end of the current step and returns with status "preempted" so the job can requeue and resume.
+STOP_REQUEST = threading.Event()
 
 
 def checkpoint_root(output_dir: str | os.PathLike) -> Path:
@@ -142,31 +149,6 @@ def load_torch(path: Path) -> Any:
     return torch.load(path, weights_only=False)
 
 
-def truncate_metrics_file(path: str | os.PathLike, last_step: int) -> int:
-    """Drop records of steps after ``last_step`` from a ``metrics.jsonl`` (steps run after the checkpoint
-    that a resumed run will run again); returns how many lines were dropped."""
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    keep, dropped = [], 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            step = json.loads(line).get("step", 0)
-        except json.JSONDecodeError:  # a line cut by a kill mid-write
-            dropped += 1
-            continue
-        if step <= last_step:
-            keep.append(line)
-        else:
-            dropped += 1
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text("".join(f"{ln}\n" for ln in keep))
-    os.replace(tmp, path)
-    return dropped
-
-
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -178,3 +160,78 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------- a run's state (driver side)
+
+
+def save_run(controller, manager: CheckpointManager, step: int, extra: dict[str, Any] | None = None) -> Path:
+    """Checkpoint every stateful piece of a run after ``step``: Actor (model, optimizer, scheduler, RNG),
+    each rollout engine's sampling RNG, the data position, the metrics history and health counters."""
+    import ray
+
+    c = controller
+
+    def write(tmp: Path) -> dict[str, Any]:
+        actor_done = c.actor.call("save_checkpoint", str(tmp / "actor"))
+        rng_states = ray.get(c.rollout.call("rng_state"))
+        for i, state in enumerate(rng_states):
+            save_torch(state, tmp / f"rollout_{i}.pt")
+        driver = {
+            "step": step,
+            "stream": c.stream.state_dict(),
+            "history": list(c.sink.history) if c.sink is not None else [],
+            "health": c.health.state_dict() if getattr(c, "health", None) is not None else {},
+            "extra": extra or {},
+        }
+        bus = getattr(c, "bus", None)  # async mode: staleness / in-flight bookkeeping when it can be saved
+        if bus is not None and hasattr(bus, "state_dict"):
+            driver["bus"] = bus.state_dict()
+        save_torch(driver, tmp / "driver.pt")
+        ray.get(actor_done)
+        return {"rollout_replicas": len(rng_states), "output_dir": str(c.cfg.output_dir)}
+
+    path = manager.save(step, write)
+    log.info("checkpoint saved: %s", path)
+    return path
+
+
+def restore_run(controller, path: str | os.PathLike) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_run` into freshly started roles; returns the driver state.
+
+    The rollout engines get the restored weights (version = step) and RNG states, the prompt stream its
+    position, the metrics sink the history up to the checkpoint (later records are dropped from
+    ``metrics.jsonl`` so no step appears twice).
+    """
+    import ray
+
+    c, path = controller, Path(path)
+    driver = load_torch(path / "driver.pt")
+    step = int(driver["step"])
+    ray.get(c.actor.call("load_checkpoint", str(path / "actor")))
+    c.push_weights(version=step)
+    refs = []
+    for i, actor in enumerate(c.rollout.actors):
+        f = path / f"rollout_{i}.pt"
+        if f.is_file():  # a run resumed with more engines: the extra ones keep their fresh seeds
+            refs.append(actor.set_rng_state.remote(load_torch(f)))
+    ray.get(refs)
+    c.stream.load_state_dict(driver["stream"])
+    bus = getattr(c, "bus", None)
+    if bus is not None and "bus" in driver and hasattr(bus, "load_state_dict"):
+        bus.load_state_dict(driver["bus"])
+    if getattr(c, "health", None) is not None and driver.get("health"):
+        c.health.load_state_dict(driver["health"])
+    if c.sink is not None:
+        rewind_sink(c.sink, step, driver["history"])
+    log.info("resumed from %s (step %d)", path, step)
+    return driver
+
+
+def rewind_sink(sink, step: int, history: list[dict[str, float]]) -> None:
+    """Make the sink's history and ``metrics.jsonl`` end at ``step`` (the file is rewritten and reopened)."""
+    sink.history = [dict(r) for r in history if r.get("step", 0) <= step]
+    path = Path(sink.out) / "metrics.jsonl"
+    sink.jsonl.close()
+    path.write_text("".join(json.dumps(r) + "\n" for r in sink.history))
+    sink.jsonl = open(path, "a")  # noqa: SIM115  (kept open for the run, like MetricsSink does)

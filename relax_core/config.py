@@ -43,9 +43,9 @@ class TeacherConfig:
     # true: the task reward is ignored, the teacher's per-token signal is the only advantage
     teacher_only: bool = False
     # the default digits teacher: dimensions and supervised steps (see scripts/train_teacher.py)
-    hidden_size: int = 192
+    hidden_size: int = 160
     num_hidden_layers: int = 4
-    train_steps: int = 300
+    train_steps: int = 200
     train_batch_size: int = 64
     train_lr: float = 3.0e-3
 
@@ -139,8 +139,9 @@ class ModalityConfig:
 
     name: str = "text"
     # input kind -> dataset column holding that kind's items (a path/bytes or a list of them), e.g.
-    # {image: images, audio: audios}; relative paths are taken from the dataset file's folder
-    keys: dict[str, str] = field(default_factory=dict)
+    # {image: images, audio: audios}; relative paths are taken from the dataset file's folder; a null column
+    # drops that kind (e.g. modality=omni modality.keys.image=null for a dataset without images)
+    keys: dict[str, str | None] = field(default_factory=dict)
     min_pixels: int = 3136
     max_pixels: int = 401408
     video_fps: float = 2.0
@@ -161,6 +162,14 @@ class ModeConfig:
     # in-flight generations at a weight swap: "finish" on old weights or "abort" and resume after
     partial_rollout: str = "finish"
     weight_sync_bucket_mb: int = 64
+    # async: sample bus between roles, "ray" (one light actor) or "transferqueue"
+    databus: str = "ray"
+    # async: prompts per engine call; each finished chunk's groups go to the bus at once (0: whole step)
+    rollout_chunk_prompts: int = 0
+    # async: push the policy to the Reference every this many steps (0: Reference stays frozen)
+    ref_update_interval: int = 0
+    # async: CPUs each helper group (ActorFwd, Reference) reserves in its own placement group
+    aux_num_cpus: float = 0.25
 
 
 @dataclass
@@ -223,6 +232,11 @@ class DataConfig:
     num_eval: int = 128
     min_digits: int = 3
     max_digits: int = 5
+    # multimodal synthetic tasks (relax_core/synthetic_multimodal.py): answer options per question,
+    # side of the generated square images, length of the generated audio clips
+    num_choices: int = 4
+    image_size: int = 64
+    audio_seconds: float = 0.5
 
 
 @dataclass
@@ -254,6 +268,18 @@ class RolloutConfig:
     env_step_timeout_s: float = 10.0
     # FAILED samples (env raised or hung) get reward 0 and: "mask" (no loss) or "keep" (trained on)
     failed_sample_policy: str = "mask"
+    # torch engine: compute dtype (float32, bfloat16, float16, auto = bf16 where the CPU supports it)
+    dtype: str = "float32"
+    # torch engine: samples decoded together (continuous-batching slots)
+    max_running: int = 1024
+    # external SGLang-compatible servers joined at launch, besides the num_engines Ray engines
+    engine_urls: list[str] = field(default_factory=list)
+    # router: seconds between health probes of the engines
+    health_check_interval_s: float = 5.0
+    # scale-in: seconds to wait for an engine's in-flight requests before removing it anyway
+    drain_timeout_s: float = 120.0
+    # ceiling on engines after scale-out
+    max_engines: int = 16
 
 
 @dataclass
@@ -334,6 +360,8 @@ class ControlPlaneConfig:
     port: int = 0
     # required when host is not a loopback address
     token: str | None = None
+    # default deadline of a scale-out request (its body may override it)
+    scale_out_timeout_s: float = 300.0
 
 
 @dataclass

@@ -49,18 +49,22 @@ def generate_synthetic(cfg, folder: str | Path, seed: int) -> tuple[str, str]:
     eval_rows = {}
     while len(eval_rows) < cfg.num_eval:
         row = make_row(rng, cfg)
-        eval_rows[row["prompt"]] = row
+        # rows with media may share a prompt text: their "_key" tells them apart
+        eval_rows[row.get("_key", row["prompt"])] = row
     train_rows = []
     for _ in range(cfg.num_train * 20):
         if len(train_rows) == cfg.num_train:
             break
         row = make_row(rng, cfg)
-        if row["prompt"] not in eval_rows:
+        if row.get("_key", row["prompt"]) not in eval_rows:
             train_rows.append(row)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, rows in (("train", train_rows), ("eval", list(eval_rows.values()))):
+        from relax_core.synthetic_multimodal import write_row_media
+
+        rows = [write_row_media(r, folder / "media", f"{name}_{i}") for i, r in enumerate(rows)]
         path = folder / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         paths.append(str(path))
@@ -85,7 +89,10 @@ def _read_rows(path: str) -> list[dict]:
         raise RelaxUserError(f"dataset file {path!r}: unsupported format {suffix!r} (use .jsonl or .parquet)")
     if suffix in (".jsonl", ".json"):
         # a line-by-line pass first, so a broken row is reported with its line number
-        for lineno, line in enumerate(file.read_text().splitlines(), start=1):
+        lines = file.read_text().splitlines()
+        if not any(line.strip() for line in lines):
+            raise RelaxUserError(f"dataset file {path!r} has no rows")
+        for lineno, line in enumerate(lines, start=1):
             if line.strip():
                 try:
                     json.loads(line)
@@ -101,7 +108,8 @@ def _read_rows(path: str) -> list[dict]:
             "parquet" if suffix == ".parquet" else "json", data_files=str(file), split="train"
         )
     except Exception as err:  # noqa: BLE001  (pyarrow/datasets raise many types for one cause)
-        raise RelaxUserError(f"dataset file {path!r} cannot be read: {str(err).splitlines()[0]}") from None
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise RelaxUserError(f"dataset file {path!r} cannot be read: {first_line}") from None
     rows = table.to_list()
     if not rows:
         raise RelaxUserError(f"dataset file {path!r} has no rows")
@@ -133,19 +141,33 @@ def render_prompt(prompt: Any, tokenizer, cfg) -> str:
     return "\n".join(str(m["content"]) for m in messages)
 
 
-def load_prompts(path: str, cfg, tokenizer) -> tuple[list[PromptRecord], int]:
-    """Tokenized prompt records of a file and the number of rows skipped (``data.on_error=skip``)."""
+def load_prompts(path: str, cfg, tokenizer, media=None) -> tuple[list[PromptRecord], int]:
+    """Tokenized prompt records of a file and the number of rows skipped (``data.on_error=skip``).
+
+    ``media`` (a :class:`relax_core.multimodal.MediaPrompts`, for ``modality.keys``) reads each row's media
+    columns and expands the placeholders in the prompt ids; records keep media references, not tensors.
+    """
     records, skipped = [], 0
     for index, row in enumerate(_read_rows(path)):
         try:
-            text = render_prompt(get_field(row, cfg.prompt_key), tokenizer, cfg)
+            prompt = get_field(row, cfg.prompt_key)
+            if prompt is None:  # JSON rows lacking a column that others have come back as null
+                raise KeyError(cfg.prompt_key)
+            text = render_prompt(prompt, tokenizer, cfg)
             label = get_field(row, cfg.label_key) if cfg.label_key else None
             metadata = {}
             if cfg.metadata_key and cfg.metadata_key in row and row[cfg.metadata_key] is not None:
                 metadata = get_field(row, cfg.metadata_key)
                 if not isinstance(metadata, dict):
                     raise ValueError(f"column {cfg.metadata_key!r} must hold an object")
-            prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
+            row_items = None
+            if media is not None:
+                from relax_core.multimodal import row_media
+
+                row_items = row_media(row, media.modality_cfg, Path(path).expanduser().parent) or None
+                prompt_ids = media.encode(text, row_items or {})[0]
+            else:
+                prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
             if not prompt_ids:
                 raise ValueError("prompt is empty")
             if len(prompt_ids) > cfg.max_prompt_len:
@@ -162,7 +184,14 @@ def load_prompts(path: str, cfg, tokenizer) -> tuple[list[PromptRecord], int]:
                 f"dataset file {path!r}, row {index}: {reason} (set data.on_error=skip to drop such rows)"
             ) from None
         records.append(
-            PromptRecord(index=index, prompt_ids=prompt_ids, prompt_text=text, label=label, metadata=metadata)
+            PromptRecord(
+                index=index,
+                prompt_ids=prompt_ids,
+                prompt_text=text,
+                label=label,
+                metadata=metadata,
+                media=row_items,
+            )
         )
     if not records:
         raise RelaxUserError(f"dataset file {path!r}: every row was malformed ({skipped} skipped)")
@@ -199,3 +228,7 @@ class PromptStream:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._epoch_order()
+
+
+# multimodal synthetic tasks register themselves in SYNTHETIC_TASKS
+import relax_core.synthetic_multimodal  # noqa: E402, F401

@@ -81,6 +81,10 @@ class HealthManager:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Weight sync runs after the Actor's optimizer step: a rollout engine lost there is replaced and
+        # synced without re-running the step (which would train on the same batch twice).
+        self._push_weights = controller.push_weights
+        controller.push_weights = self.push_weights
 
     # ------------------------------------------------------------------ role inventory
     def groups(self) -> dict[str, RoleGroup]:
@@ -91,9 +95,7 @@ class HealthManager:
     def start(self) -> None:
         now = time.monotonic()
         with self._lock:
-            self._last_seen = {
-                (name, i): now for name, g in self.groups().items() for i in range(len(g))
-            }
+            self._last_seen = {(name, i): now for name, g in self.groups().items() for i in range(len(g))}
         if self.interval > 0 and self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._beat, name="relax-health", daemon=True)
@@ -129,7 +131,7 @@ class HealthManager:
                     self._last_seen[key] = now
             except ACTOR_FAILURES:
                 status[key] = "dead"
-        for ref, key in refs.items():
+        for key in refs.values():
             if key in status:
                 continue
             with self._lock:
@@ -170,7 +172,19 @@ class HealthManager:
                 self.c.stream.load_state_dict(stream_state)  # the same prompts again: no step lost
                 self.counters.step_retries += 1
 
-    def recover_in_place(self, step: int) -> None:
+    def push_weights(self, version: int) -> None:
+        """The controller's weight sync, with dead rollout engines replaced and synced in place."""
+        for _ in range(self.max_role_restarts + 1):
+            try:
+                return self._push_weights(version=version)
+            except ACTOR_FAILURES as err:
+                log.warning(
+                    "weight sync v%d: a role actor failed (%s); recovering", version, type(err).__name__
+                )
+                self.recover_in_place(self.current_step, sync=False)
+        return self._push_weights(version=version)
+
+    def recover_in_place(self, step: int, sync: bool = True) -> None:
         dead = self._dead_replicas()
         if not dead:  # the failure was transient from the loop's point of view; retry as is
             return
@@ -189,9 +203,9 @@ class HealthManager:
                 self._last_seen[(name, i)] = time.monotonic()
             self.counters.role_restarts += 1
             self._event("restart", name, i, f"restart {groups[name].restarts[i]} in place")
-        ray.get([g.actors[i].__ray_ready__.remote() for g in [groups[n] for n, _ in dead] for i in [0]])
-        if any(name == "rollout" for name, _ in dead):
-            self.c.push_weights(version=step - 1)  # the new engine serves the current policy
+        ray.get([groups[n].actors[i].__ray_ready__.remote() for n, i in dead])  # constructed and alive
+        if sync and any(name == "rollout" for name, _ in dead):
+            self.push_weights(version=step - 1)  # the new engine serves the current policy
 
     def begin_global_restart(self, reason: str) -> None:
         """Count a global restart; fail the run with a report when they are exhausted."""
@@ -199,7 +213,27 @@ class HealthManager:
         self._event("global_restart", "run", 0, reason)
         if self.counters.global_restarts > self.max_global_restarts:
             self._event("give_up", "run", 0, f"more than {self.max_global_restarts} global restarts")
-            raise RunFailedError(self.report(f"gave up after {self.max_global_restarts} global restarts"))
+            raise self._fail(f"{reason}; gave up after {self.max_global_restarts} global restarts")
+
+    def global_restart(self, reason: str) -> int:
+        """Restart every role and load the newest checkpoint; returns the step it holds."""
+        from relax_core.checkpoint import latest_checkpoint, restore_run
+
+        self.begin_global_restart(reason)
+        ckpt = latest_checkpoint(self.c.checkpoints.root)
+        if ckpt is None:
+            self._event("give_up", "run", 0, "no checkpoint to restart from (set trainer.save_every > 0)")
+            raise self._fail(f"{reason}; no checkpoint to restart from (set trainer.save_every > 0)")
+        self.stop()
+        self.c.stop_roles()
+        self.c.start_roles()
+        driver = restore_run(self.c, ckpt)
+        self.start()
+        return int(driver["step"])
+
+    def _fail(self, headline: str) -> RunFailedError:
+        self.write_report(self.c.cfg.output_dir, headline)
+        return RunFailedError(self.report(headline))
 
     def metrics(self) -> dict[str, float]:
         return {

@@ -30,11 +30,11 @@ def check_modality_keys(modality_cfg) -> None:
     from relax_models.families import MODALITY_INPUTS
 
     if modality_cfg.name not in MODALITY_INPUTS:
-        raise RelaxUserError(
-            f"modality.name={modality_cfg.name!r} is not one of {sorted(MODALITY_INPUTS)}"
-        )
+        raise RelaxUserError(f"modality.name={modality_cfg.name!r} is not one of {sorted(MODALITY_INPUTS)}")
     allowed = [k for k in MODALITY_INPUTS[modality_cfg.name] if k != "text"]
-    for kind in modality_cfg.keys:
+    for kind, column in modality_cfg.keys.items():
+        if column is None:  # kind switched off
+            continue
         if kind not in MEDIA_KINDS:
             raise RelaxUserError(
                 f"modality.keys.{kind}: {kind!r} is not an input kind; keys map one of {list(MEDIA_KINDS)} "
@@ -69,6 +69,8 @@ def row_media(row: dict, modality_cfg, base_dir: str | Path | None = None) -> di
     base = Path(base_dir) if base_dir is not None else None
     media: dict[str, list[Any]] = {}
     for kind, column in modality_cfg.keys.items():
+        if column is None:  # kind switched off
+            continue
         value = get_field(row, column)
         items = [] if value is None else list(value) if isinstance(value, list) else [value]
         if items:
@@ -86,13 +88,15 @@ class MediaPrompts:
     @classmethod
     def from_config(cls, modality_cfg, model_path: str) -> MediaPrompts | None:
         """None for text-only runs (no ``modality.keys``), else the processor of ``model_path``."""
-        if not modality_cfg.keys:
+        if not any(column is not None for column in modality_cfg.keys.values()):
             return None
         from relax_models.processors import load_processor
 
         return cls(load_processor(model_path), modality_cfg)
 
-    def encode(self, text: str, media: dict[str, list[Any]]) -> tuple[list[int], dict[str, torch.Tensor] | None]:
+    def encode(
+        self, text: str, media: dict[str, list[Any]]
+    ) -> tuple[list[int], dict[str, torch.Tensor] | None]:
         """Prompt ids with each placeholder expanded, and the tensors of the media (None without media).
 
         A problem with the row (a missing file, placeholders that do not match the items) is raised as
@@ -100,6 +104,10 @@ class MediaPrompts:
         """
         from relax_models.processors import build_multimodal_inputs
 
+        # per-item preprocessing is many tiny tensor ops: extra threads only add contention (measured 1 ms
+        # vs 150 ms per audio clip on a busy 2-core machine)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         try:
             return build_multimodal_inputs(
                 self.processor,
@@ -109,6 +117,8 @@ class MediaPrompts:
             )
         except RelaxUserError as err:
             raise ValueError(str(err)) from None
+        finally:
+            torch.set_num_threads(threads)
 
     def materialize(self, records: list[PromptRecord]) -> list[PromptRecord]:
         """Records whose media are turned into tensors (copies of the records; the stored ones keep only
@@ -131,20 +141,68 @@ class MediaPrompts:
         return out
 
 
-def multimodal_forward_kwargs(family: str, model: torch.nn.Module, batch: TrainBatch) -> dict[str, torch.Tensor]:
-    """``model.forward`` keyword arguments for the multimodal rows of ``batch`` ({} for a text-only batch).
+def placeholder_token_ids(config: Any) -> list[int]:
+    """Ids of the media placeholder tokens (image/video/audio pads) of a multimodal model config."""
+    keys = ("image_token_id", "video_token_id", "audio_token_id")
+    return [int(v) for k in keys if (v := getattr(config, k, None)) is not None]
+
+
+def multimodal_model_inputs(
+    family: str, model: torch.nn.Module, batch: TrainBatch
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``input_ids`` and extra ``model.forward`` keyword arguments for ``batch`` ({} for a text-only batch).
 
     Rows of one prompt reference the same tensors; ``forward_kwargs`` concatenates them per row, in row
-    order, which is what the model's placeholder filling expects.
+    order, which is what the model's placeholder filling expects. A media placeholder token that a policy
+    *sampled* into a response has no media behind it and would break that filling (the model counts every
+    placeholder), so in response positions it is fed as the pad token; its log-prob is still taken for the
+    sampled id, since targets come from ``batch.input_ids``.
     """
     if not any(batch.multimodal_inputs):
-        return {}
+        return batch.input_ids, {}
     from relax_models.families import forward_kwargs
 
-    return forward_kwargs(
-        family,
-        batch.multimodal_inputs,
-        input_ids=batch.input_ids,
-        config=model.config,
-        device=batch.input_ids.device,
+    input_ids = batch.input_ids
+    placeholders = placeholder_token_ids(model.config)
+    if placeholders:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        in_response = positions.unsqueeze(0) >= batch.prompt_lens.to(input_ids.device).unsqueeze(1)
+        sampled = in_response & torch.isin(input_ids, torch.tensor(placeholders, device=input_ids.device))
+        if bool(sampled.any()):
+            pad = getattr(model.config.get_text_config(), "pad_token_id", None) or 0
+            input_ids = input_ids.masked_fill(sampled, pad)
+    kwargs = forward_kwargs(
+        family, batch.multimodal_inputs, input_ids=input_ids, config=model.config, device=input_ids.device
     )
+    return input_ids, kwargs
+
+
+def validate_model_and_modality(cfg) -> None:
+    """Before Ray starts: the model family exists and can take ``modality``, ``modality.keys`` fit it, a
+    model without a tiny spec has ``model.path`` and a run without a synthetic task has a dataset file."""
+    from relax_models.families import check_modality, get_family
+
+    family = get_family(cfg.model.family)
+    try:
+        check_modality(family.name, cfg.modality.name)
+    except RelaxUserError:
+        raise RelaxUserError(
+            f"modality={cfg.modality.name} does not fit model={cfg.model.name}: model family {family.name} "
+            f"takes {family.modalities}; choose one of those or a model family that takes "
+            f"{cfg.modality.name}"
+        ) from None
+    check_modality_keys(cfg.modality)
+    if cfg.mode.name == "async" and any(c is not None for c in cfg.modality.keys.values()):
+        raise RelaxUserError(
+            f"mode=async does not carry multimodal inputs through its DataBus yet (modality={cfg.modality.name}"
+            " has modality.keys); use mode=colocate"
+        )
+    if not cfg.model.path and cfg.model.tiny is None:
+        raise RelaxUserError(
+            f"model={cfg.model.name} needs its weights: set model.path=/path/to/hf/folder "
+            f"(e.g. a local copy of {family.examples[0] if family.examples else 'the checkpoint'})"
+        )
+    if not cfg.data.train_path and not cfg.data.synthetic:
+        raise RelaxUserError(
+            "data.train_path is required (data.synthetic is null): give a local JSONL or Parquet file"
+        )

@@ -27,7 +27,9 @@ class RoleGroup:
         num_gpus: float,
         args: tuple = (),
         pass_replica: bool = False,
+        env_vars: list[dict[str, str]] | None = None,
     ) -> None:
+        """``env_vars[i]``: extra environment of replica i (e.g. its ``torch.distributed`` rank)."""
         self.name = name
         remote_cls = ray.remote(role_cls)
         self.restarts = [0] * replicas  # in-place restarts per replica (HealthManager)
@@ -41,6 +43,7 @@ class RoleGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=bundles[i]
                 ),
+                **({"runtime_env": {"env_vars": env_vars[i]}} if env_vars else {}),
             ).remote(*args, **({"replica": i} if pass_replica else {}))
 
         self._spawn = spawn
@@ -63,8 +66,20 @@ class RoleGroup:
         """Call ``method`` on every replica with the same arguments."""
         return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
 
+    def call_collective(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` on every replica and wait for all; returns replica 0's result.
+
+        For groups whose replicas run collectives together (megatron TP ranks): waiting on every rank
+        surfaces any rank's error and keeps the next call from overlapping this one on a slow rank.
+        """
+        return ray.get(self.call(method, *args, **kwargs))[0]
+
     def call_each(self, method: str, per_replica_args: list[tuple]) -> list[ray.ObjectRef]:
         """Call ``method`` on replica i with ``per_replica_args[i]``."""
+        if len(per_replica_args) != len(self.actors):  # checked first: no replica may get a partial call
+            raise ValueError(
+                f"{self.name}.{method}: {len(per_replica_args)} argument tuples for {len(self.actors)} replicas"
+            )
         return [
             getattr(a, method).remote(*args) for a, args in zip(self.actors, per_replica_args, strict=True)
         ]

@@ -23,6 +23,13 @@ def validate(cfg) -> None:
     _check_choice("trainer.lr_decay", t.lr_decay, ["constant", "cosine"])
     if cfg.reward._target_ is None:
         _check_choice("reward.name", cfg.reward.name, relax_rewards.available())
+    if t.backend == "megatron":  # first: "this backend cannot train that family" beats "no weights"
+        from relax_models.megatron.launch import check_megatron_launch
+
+        check_megatron_launch(cfg)
+    from relax_core.multimodal import validate_model_and_modality
+
+    validate_model_and_modality(cfg)
     for key, value in {
         "rollout.batch_size": r.batch_size,
         "rollout.n_samples_per_prompt": r.n_samples_per_prompt,
@@ -40,6 +47,9 @@ def validate(cfg) -> None:
         )
     if not 0.0 < r.top_p <= 1.0:
         raise RelaxUserError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    from relax_core.algorithms.checks import validate_algorithm
+
+    validate_algorithm(cfg)  # rloo with n=1, Dr. GRPO scale, ppo without a critic, ...
     if a.clip_c is not None and a.clip_c <= 1.0:
         raise RelaxUserError(f"algorithm.clip_c (dual clip) must be > 1 or null, got {a.clip_c}")
     if a.norm_adv_by_std and r.n_samples_per_prompt < 2 and a.advantage_estimator == "grpo":
@@ -56,11 +66,23 @@ def validate(cfg) -> None:
         raise RelaxUserError(
             "trainer.sft_warmup_steps needs data.label_key (labels are the warm-start targets)"
         )
-    if t.backend == "megatron":
-        from relax_models.megatron.launch import check_megatron_launch
-
-        check_megatron_launch(cfg)
     if r.env is not None:
         from relax_core.agentic.validation import validate_agentic
 
         validate_agentic(cfg)
+    if cfg.mode.name == "async":
+        from relax_core.async_loop import validate_async
+
+        validate_async(cfg)
+    from relax_core.engines import ENGINES, engine_dtype
+
+    _check_choice("rollout.engine", r.engine, ENGINES)
+    engine_dtype(r.dtype)  # names the key when the dtype is unknown
+    if r.max_running < r.n_samples_per_prompt:
+        raise RelaxUserError(
+            f"rollout.max_running={r.max_running} is below rollout.n_samples_per_prompt={r.n_samples_per_prompt}"
+        )
+    if cfg.control_plane.enabled:
+        from relax_core.control_plane import check_security
+
+        check_security(cfg.control_plane.host, cfg.control_plane.token)

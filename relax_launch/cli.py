@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 
@@ -45,6 +46,12 @@ def unknown_keys(node: DictConfig, schema: DictConfig, prefix: str = "") -> list
             found.append(name)
             continue
         child, ref = node._get_node(key), schema._get_node(key)
+        if isinstance(child, DictConfig) and isinstance(ref, DictConfig) and ref._is_none():
+            # an optional dataclass field that defaults to null (model.tiny, algorithm.critic): check the
+            # node against its dataclass, else a typo under it is silently dropped by OmegaConf.to_object
+            child_type = OmegaConf.get_type(child)
+            if dataclasses.is_dataclass(child_type):
+                ref = OmegaConf.structured(child_type)
         if (
             isinstance(child, DictConfig)
             and isinstance(ref, DictConfig)

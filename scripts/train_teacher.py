@@ -19,7 +19,9 @@ from relax_core.roles.teacher import default_cache_dir, ensure_default_teacher
 
 def main() -> None:
     defaults = TeacherConfig()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default=None, help="output folder (default: the opd cache folder)")
     parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
     parser.add_argument("--layers", type=int, default=defaults.num_hidden_layers)

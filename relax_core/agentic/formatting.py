@@ -22,6 +22,37 @@ IMAGE_MARKER = "<image>"
 _CONCAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
+def render_messages(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """The text of a conversation: the chat template (with a generation prompt), or, without one, each
+    message's content followed by EOS (assistant turns, as the model ends them) or a newline (others)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    eos = tokenizer.eos_token or ""
+    return "".join(
+        str(m.get("content") or "") + (eos if m.get("role") == "assistant" else "\n") for m in messages
+    )
+
+
+def continuation_text(
+    tokenizer, history: list[dict[str, Any]], new_messages: list[dict[str, Any]], ended_with_eos: bool
+) -> str:
+    """The text that follows the model's last turn when ``new_messages`` join the conversation.
+
+    ``history`` ends before that assistant turn. The turn is rendered as a sentinel so the template's own
+    closing of it (EOS, newlines) is kept; the EOS the model itself generated is already in the context.
+    """
+    rendered = render_messages(
+        tokenizer, [*history, {"role": "assistant", "content": SENTINEL}, *new_messages]
+    )
+    tail = rendered.split(SENTINEL, 1)[1]
+    eos = tokenizer.eos_token or ""
+    if ended_with_eos and eos and tail.startswith(eos):
+        tail = tail[len(eos) :]
+    return tail
+
+
 class ObservationFormatter:
     def __init__(self, tokenizer, model_path: str | None = None) -> None:
         self.tokenizer = tokenizer
@@ -35,19 +66,8 @@ class ObservationFormatter:
         images = message.get("images") or []
         if images and IMAGE_MARKER not in content:
             content = IMAGE_MARKER * len(images) + content
-        if not self.use_chat:
-            return content + "\n"
         msg = {"role": message.get("role", "user"), "content": content}
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}, msg],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        tail = rendered.split(SENTINEL, 1)[1]
-        eos = self.tokenizer.eos_token or ""
-        if ended_with_eos and eos and tail.startswith(eos):
-            tail = tail[len(eos) :]
-        return tail
+        return continuation_text(self.tokenizer, [{"role": "user", "content": "x"}], [msg], ended_with_eos)
 
     def encode(
         self, message: dict[str, Any], ended_with_eos: bool = True

@@ -239,7 +239,9 @@ class MultiTurnRunner:
         mask = ep.loss_mask
         if failed and self.cfg.failed_sample_policy == "mask":
             mask = [0] * len(mask)
-        extras = {k: float(v) for k, v in ep.last_info.items() if k != "reward" and isinstance(v, int | float)}
+        extras = {
+            k: float(v) for k, v in ep.last_info.items() if k != "reward" and isinstance(v, int | float)
+        }
         extras |= {"turns": float(ep.turns), "env_failed": float(failed)}
         if failed:
             log.warning("episode %s:%d failed: %s", ep.prompt.index, ep.index_in_group, ep.error)

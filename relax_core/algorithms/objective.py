@@ -53,12 +53,23 @@ def policy_objective(
         loss = loss + cfg.kl_loss_coef * kl
         metrics["kl"] = kl
     out = {k: float(v.detach()) for k, v in metrics.items()}
-    out.update(pg_loss=float(pg_loss), entropy=float(entropy_mean))
+    out.update(pg_loss=float(pg_loss.detach()), entropy=float(entropy_mean.detach()))
     return loss * weight, out
 
 
+def sequence_count(batch: TrainBatch, cfg) -> int:
+    """Sequences the aggregation averages over: seq-mean-token-mean skips rows with no trained token."""
+    if cfg.loss_agg_mode == "seq-mean-token-mean":
+        return int((batch.loss_mask.sum(-1) > 0).sum())
+    return len(batch)
+
+
 def micro_batch_weight(micro: TrainBatch, total_tokens: float, total_seqs: int, cfg) -> float:
-    """Share of one micro-batch in the optimizer batch for the configured aggregation."""
+    """Share of one micro-batch in the optimizer batch for the configured aggregation.
+
+    token-mean: tokens(micro) / total_tokens; the sequence means: sequence_count(micro) / total_seqs, where
+    ``total_seqs`` is :func:`sequence_count` of the optimizer batch.
+    """
     if cfg.loss_agg_mode == "token-mean":
         return float(micro.loss_mask.sum()) / max(total_tokens, 1.0)
-    return len(micro) / max(total_seqs, 1)
+    return sequence_count(micro, cfg) / max(total_seqs, 1)

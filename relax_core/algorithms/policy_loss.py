@@ -27,7 +27,9 @@ def _clamp_of(cfg) -> float:
     return float(getattr(cfg, "log_ratio_clamp", None) or LOG_RATIO_CLAMP)
 
 
-def ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def ratio_metrics(
+    ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """approx KL ½·mean(log r)² and mean/min/max of the ratio over trained tokens."""
     any_token = bool(mask.any())
     big = torch.finfo(ratio.dtype).max

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def overlong_penalty(response_lens: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    response_lens: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0
+) -> torch.Tensor:
     """DAPO soft overlong punishment added to the reward, per sample.
 
     p(L) = 0                                 for L ≤ L_max − L_buf

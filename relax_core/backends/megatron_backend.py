@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,9 @@ from relax_models.megatron.model import (
 )
 
 log = logging.getLogger(__name__)
+# megatron-core announces its fallbacks once per process and module; on CPU they are expected
+for _message in (".*Transformer Engine.*", ".*Apex is not installed.*", ".*full scope is deprecated.*"):
+    warnings.filterwarnings("ignore", message=_message, category=UserWarning)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -12,9 +12,9 @@ import torch
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
 from relax_core.backends.base import LossFn, TrainingBackend
 from relax_core.backends.schedule import lr_multiplier
+from relax_core.multimodal import multimodal_model_inputs
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_causal_lm, load_tokenizer
-from relax_core.multimodal import multimodal_forward_kwargs
 
 
 def rng_state() -> dict:
@@ -58,8 +58,8 @@ class TorchBackend(TrainingBackend):
     def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # multimodal rows: pixel/audio tensors as forward kwargs; the model derives its M-RoPE positions
         # from input_ids + grids itself, so no position_ids are passed (right padding is fine)
-        mm = multimodal_forward_kwargs(self.family, self.model, batch)
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **mm).logits
+        input_ids, mm = multimodal_model_inputs(self.family, self.model, batch)
+        logits = self.model(input_ids=input_ids, attention_mask=batch.attention_mask, **mm).logits
         return token_logprobs_and_entropy(logits, batch, self.temperature)
 
     @torch.no_grad()

@@ -5,13 +5,68 @@ from __future__ import annotations
 from relax_core.engines.base import RolloutEngine
 from relax_core.errors import RelaxUserError
 
+ENGINES = ["torch", "sglang", "vllm"]
 
-def build_engine(name: str, model_path: str, tokenizer, model_cfg, seed: int) -> RolloutEngine:
-    """The engine ``rollout.engine`` names, loaded from ``model_path``."""
+
+def engine_dtype(name: str):
+    """``rollout.dtype``: float32, bfloat16, float16, or auto (bf16 where the CPU has AVX-512 BF16 / on GPU)."""
+    import torch
+
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.bfloat16
+        try:
+            flags = open("/proc/cpuinfo").read()
+        except OSError:
+            flags = ""
+        return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+    from relax_models.loader import DTYPES
+
+    if name not in DTYPES:
+        raise RelaxUserError(f"rollout.dtype={name!r} is not one of {sorted(DTYPES) + ['auto']}")
+    return DTYPES[name]
+
+
+def build_engine(
+    name: str,
+    model_path: str,
+    tokenizer,
+    model_cfg,
+    seed: int,
+    rollout_cfg=None,
+    engine_url: str | None = None,
+) -> RolloutEngine:
+    """The engine ``rollout.engine`` names, loaded from ``model_path`` (or a client of ``engine_url``)."""
+    if engine_url:
+        from relax_core.engines.client import HttpEngine
+
+        return HttpEngine(engine_url, base_model_path=model_path)
     if name == "torch":
-        from relax_core.engines.torch_engine import TorchEngine
-        from relax_models.loader import load_causal_lm
+        from transformers import AutoConfig
 
-        model = load_causal_lm(model_path, model_cfg.dtype, model_cfg.attn_implementation)
-        return TorchEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], seed=seed)
-    raise RelaxUserError(f"rollout.engine={name!r} is not available; choose one of ['torch']")
+        from relax_core.engines.torch_engine import TorchEngine
+        from relax_models.families import FAMILIES, family_for_model_type
+        from relax_models.loader import DTYPES
+
+        family = family_for_model_type(AutoConfig.from_pretrained(model_path).model_type)
+        model = FAMILIES[family].load(model_path, DTYPES[model_cfg.dtype], model_cfg.attn_implementation)
+        dtype = engine_dtype(rollout_cfg.dtype) if rollout_cfg is not None else None
+        return TorchEngine(
+            model,
+            tokenizer.pad_token_id,
+            [tokenizer.eos_token_id],
+            seed=seed,
+            tokenizer=tokenizer,
+            family=family,
+            max_running=rollout_cfg.max_running if rollout_cfg is not None else 1024,
+            dtype=dtype,
+        )
+    if name == "sglang":
+        from relax_core.engines.sglang import SGLangEngine
+
+        return SGLangEngine(model_path)
+    if name == "vllm":
+        from relax_core.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model_path, seed=seed)
+    raise RelaxUserError(f"rollout.engine={name!r} is not available; choose one of {ENGINES}")

@@ -60,6 +60,20 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load new policy weights (HF parameter names) and tag later results with ``version``."""
 
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        """Load weights from the ``*.safetensors`` files of an HF folder (SGLang's disk update)."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        self.update_weights(state, version)
+
     def pause(self) -> None:
         """Stop admitting new work (in-flight work finishes or is aborted per the engine)."""
 

@@ -64,9 +64,26 @@ def sample_tokens(
     return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm: normalise in fp32, scale by the weight in the input dtype."""
+    normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 def fast_path_supported(model: torch.nn.Module) -> bool:
-    """Plain decoder-only Qwen3 (dense) text models run on the slot-cache path."""
-    return type(model).__name__ == "Qwen3ForCausalLM"
+    """Plain decoder-only Qwen3 (dense, bias-free, SiLU) text models run on the slot-cache path."""
+    cfg = getattr(model, "config", None)
+    return (
+        type(model).__name__ == "Qwen3ForCausalLM"
+        and not getattr(cfg, "attention_bias", False)
+        and getattr(cfg, "hidden_act", "silu") == "silu"
+        and not getattr(cfg, "use_sliding_window", False)
+    )
 
 
 @dataclass
@@ -112,6 +129,8 @@ class TorchEngine(RolloutEngine):
         self._queue: deque[_Job] = deque()
         self._rows: list[dict[str, Any]] = []  # per live slot: job, sample index, pending token
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fused: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.peak_running = 0  # most samples decoded together so far (continuous-batching stat)
         if self.fast:
             cfg = model.config
             self.n_layers = cfg.num_hidden_layers
@@ -182,6 +201,7 @@ class TorchEngine(RolloutEngine):
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         with self._lock:
             self.model.load_state_dict(state_dict, strict=False)
+            self._fused = None
             self.weight_version = version
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
@@ -222,6 +242,7 @@ class TorchEngine(RolloutEngine):
         length = ((length + 63) // 64) * 64
         dtype = next(self.model.parameters()).dtype
         shape = (self.n_layers, slots, self.n_kv, length, self.head_dim)
+        # zeros, not empty: unwritten positions are masked, and 0 * (stale NaN bits) would still be NaN
         new_k = torch.zeros(shape, dtype=dtype, device=self.device)
         new_v = torch.zeros(shape, dtype=dtype, device=self.device)
         if self._cache is not None and self._rows:
@@ -286,6 +307,7 @@ class TorchEngine(RolloutEngine):
                 }
                 self._rows.append(row)
                 self._emit(row, int(token[s]), float(logp[s]))
+        self.peak_running = max(self.peak_running, len(self._rows))
         self._retire()
 
     def _attn_qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -321,37 +343,71 @@ class TorchEngine(RolloutEngine):
             v_cache[li, dst, :, :width] = v[src]
             kk = k.repeat_interleave(groups, dim=1) if groups > 1 else k
             vv = v.repeat_interleave(groups, dim=1) if groups > 1 else v
-            o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=attn.scaling)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, kk, vv, attn_mask=mask, scale=attn.scaling
+            )
             h = h + attn.o_proj(o.transpose(1, 2).reshape(*h.shape[:-1], -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h
 
+    def _fused_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer: [q;k;v] and [gate;up] projection weights stacked, so decode runs 4 matmuls a layer."""
+        if self._fused is None:
+            self._fused = []
+            for layer in self.model.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+                self._fused.append((qkv, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])))
+        return self._fused
+
     def _decode(self) -> None:
-        """Feed every live slot's pending token at its next position, sample the next one."""
+        """Feed every live slot's pending token at its next position, sample the next one.
+
+        Same math as the HF modules (RMSNorm in fp32, rotary from the model's own ``rotary_emb``, softmax
+        attention over the slot's cached keys), with fused projections and in-place cache writes.
+        """
         inner = self.model.model
         rows = self._rows
         r = len(rows)
+        n_h, n_kv, d = self.n_heads, self.n_kv, self.head_dim
+        groups = n_h // n_kv
         tokens = torch.tensor([row["pending"] for row in rows], device=self.device)
         lens = torch.tensor([row["len"] for row in rows], device=self.device)
         span = int(lens.max()) + 1
-        h = inner.embed_tokens(tokens).unsqueeze(1)  # [R, 1, H]
-        cos, sin = inner.rotary_emb(h, lens.unsqueeze(1))
+        h = inner.embed_tokens(tokens)  # [R, hidden]
+        cos, sin = inner.rotary_emb(h.unsqueeze(1), lens.unsqueeze(1))  # [R, 1, D]
         k_cache, v_cache = self._cache  # type: ignore[misc]
+        t_cap = k_cache.shape[3]
+        heads = torch.arange(n_kv, device=self.device)
         ar = torch.arange(r, device=self.device)
-        valid = (torch.arange(span, device=self.device).unsqueeze(0) <= lens.unsqueeze(1)).view(r, 1, 1, span)
-        groups = self.n_heads // self.n_kv
-        for li, layer in enumerate(inner.layers):
-            x = layer.input_layernorm(h)
-            attn, q, k, v = self._attn_qkv(layer, x, cos, sin)  # q [R, H, 1, D], k/v [R, Hkv, 1, D]
-            k_cache[li, ar, :, lens] = k[:, :, 0]
-            v_cache[li, ar, :, lens] = v[:, :, 0]
-            qg = q.reshape(r, self.n_kv, groups, self.head_dim)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qg, k_cache[li, :r, :, :span], v_cache[li, :r, :, :span], attn_mask=valid, scale=attn.scaling
+        flat_idx = (((ar * n_kv).unsqueeze(1) + heads) * t_cap + lens.unsqueeze(1)).reshape(-1)
+        mask = torch.zeros((r, 1, 1, span), dtype=torch.float32, device=self.device)
+        mask.masked_fill_(
+            torch.arange(span, device=self.device).view(1, 1, 1, span) > lens.view(r, 1, 1, 1), float("-inf")
+        )
+        eps = self.model.config.rms_norm_eps
+        for li, (layer, (w_qkv, w_gu)) in enumerate(zip(inner.layers, self._fused_weights())):
+            attn = layer.self_attn
+            qkv = torch.nn.functional.linear(_rms(h, layer.input_layernorm.weight, eps), w_qkv)
+            q = _rms(qkv[:, : n_h * d].view(r, n_h, d), attn.q_norm.weight, eps)
+            k = _rms(qkv[:, n_h * d : (n_h + n_kv) * d].view(r, n_kv, d), attn.k_norm.weight, eps)
+            v = qkv[:, (n_h + n_kv) * d :].reshape(r * n_kv, d)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache[li].view(-1, d).index_copy_(0, flat_idx, k.reshape(r * n_kv, d))
+            v_cache[li].view(-1, d).index_copy_(0, flat_idx, v)
+            keys, values = k_cache[li, :r, :, :span], v_cache[li, :r, :, :span]  # [R, Hkv, span, D] views
+            scores = torch.matmul(q.view(r, n_kv, groups, d), keys.transpose(-1, -2)) * attn.scaling
+            probs = torch.softmax(scores.float() + mask, dim=-1).to(values.dtype)
+            o = torch.matmul(probs, values).reshape(r, n_h * d)
+            h = h + torch.nn.functional.linear(o, attn.o_proj.weight)
+            gate, up = torch.nn.functional.linear(
+                _rms(h, layer.post_attention_layernorm.weight, eps), w_gu
+            ).chunk(2, dim=-1)
+            h = h + torch.nn.functional.linear(
+                torch.nn.functional.silu(gate) * up, layer.mlp.down_proj.weight
             )
-            h = h + attn.o_proj(o.reshape(r, 1, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = self.model.lm_head(inner.norm(h[:, 0]))
+        logits = self.model.lm_head(_rms(h, inner.norm.weight, eps))
         for row in rows:
             row["len"] += 1
         # sample per distinct sampling config (usually one)
@@ -362,8 +418,8 @@ class TorchEngine(RolloutEngine):
             sampling = rows[idx[0]]["job"].sampling
             sel = logits if len(idx) == r else logits[torch.tensor(idx, device=self.device)]
             token, logp = sample_tokens(sel, sampling, self.generator)
-            for j, i in enumerate(idx):
-                self._emit(rows[i], int(token[j]), float(logp[j]))
+            for i, tok, lp in zip(idx, token.tolist(), logp.tolist()):
+                self._emit(rows[i], tok, lp)
         self._retire()
 
     def _emit(self, row: dict[str, Any], token: int, logp: float) -> None:

@@ -5,16 +5,22 @@ from __future__ import annotations
 import torch
 
 from relax_core.algorithms.masked import masked_mean
-from relax_core.algorithms.objective import micro_batch_weight, policy_objective
+from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
 from relax_core.backends import build_backend
 from relax_core.samples import TrainBatch
 
 
 class Actor:
-    def __init__(self, cfg, model_path: str) -> None:
+    def __init__(self, cfg, model_path: str, replica: int = 0) -> None:
+        """``replica``: this process's rank in a model-parallel Actor group (megatron world > 1).
+
+        Every rank gets every call with the same batch and runs it collectively; only rank 0 returns
+        weights (:meth:`state_dict`), the others return an empty dict.
+        """
         torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
+        self.rank = replica
         self.backend = build_backend(
             cfg.trainer.backend,
             model_path,
@@ -57,7 +63,7 @@ class Actor:
         for _ in range(algo.ppo_epochs):
             for start in range(0, len(batch), global_size):
                 mini = batch.select(list(range(start, min(start + global_size, len(batch)))))
-                total_tokens, total_seqs = float(mini.loss_mask.sum()), len(mini)
+                total_tokens, total_seqs = float(mini.loss_mask.sum()), sequence_count(mini, algo)
 
                 def loss_fn(micro, logprobs, entropy, _t=total_tokens, _s=total_seqs):
                     return policy_objective(
@@ -70,7 +76,8 @@ class Actor:
         return {k: v / updates for k, v in metrics.items()} | {"optimizer_steps": float(updates)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.backend.state_dict()
+        weights = self.backend.state_dict()  # collective: every rank gathers its shards
+        return weights if self.rank == 0 else {}
 
     def save_checkpoint(self, path: str) -> None:
         self.backend.save_checkpoint(path)

@@ -65,11 +65,15 @@ class Critic:
             for micro in batch.micro_batches(self.cfg.micro_batch_size):
                 values = self.model(micro)
                 loss, metrics = clipped_value_loss(
-                    values, micro.extras["values"], micro.extras["returns"], micro.loss_mask, self.cfg.value_clip
+                    values,
+                    micro.extras["values"],
+                    micro.extras["returns"],
+                    micro.loss_mask,
+                    self.cfg.value_clip,
                 )
                 share = float(micro.loss_mask.sum()) / total_tokens
                 (loss * share).backward()
-                sums["critic/vf_loss"] = sums.get("critic/vf_loss", 0.0) + float(loss) * share
+                sums["critic/vf_loss"] = sums.get("critic/vf_loss", 0.0) + float(loss.detach()) * share
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * share
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from relax_core.backends import build_backend
+from relax_core.config import MegatronParallelConfig
 from relax_core.samples import TrainBatch
 
 
@@ -12,10 +15,13 @@ class Reference:
     def __init__(self, cfg, model_path: str) -> None:
         torch.set_num_threads(cfg.trainer.num_threads)
         self.micro_batch_size = cfg.trainer.micro_batch_size
+        trainer_cfg = cfg.trainer
+        if trainer_cfg.backend == "megatron":  # a frozen scorer runs alone: no model-parallel group
+            trainer_cfg = dataclasses.replace(trainer_cfg, megatron=MegatronParallelConfig())
         self.backend = build_backend(
             cfg.trainer.backend,
             model_path,
-            cfg.trainer,
+            trainer_cfg,
             cfg.model,
             cfg.rollout.temperature,
             cfg.seed,

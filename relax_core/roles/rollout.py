@@ -6,6 +6,7 @@ import torch
 
 from relax_core.engines import build_engine
 from relax_core.engines.base import GenerationRequest, SamplingParams
+from relax_core.multimodal import MediaPrompts
 from relax_core.samples import PromptRecord, Sample, SampleStatus
 from relax_models.loader import load_tokenizer
 from relax_rewards.executor import RewardExecutor, RewardItem
@@ -20,14 +21,24 @@ FINISH_STATUS = {
 class Rollout:
     """One rollout engine plus the reward executor; replicas split a step's prompts between them."""
 
-    def __init__(self, cfg, model_path: str, replica: int = 0) -> None:
+    def __init__(self, cfg, model_path: str, replica: int = 0, engine_url: str | None = None) -> None:
         torch.set_num_threads(cfg.rollout.num_threads)
         self.cfg = cfg
         self.tokenizer = load_tokenizer(model_path)
+        # engine_url: an external SGLang-compatible server this actor drives over HTTP (elastic scale-out)
         self.engine = build_engine(
-            cfg.rollout.engine, model_path, self.tokenizer, cfg.model, seed=cfg.seed * 1000 + replica
+            cfg.rollout.engine,
+            model_path,
+            self.tokenizer,
+            cfg.model,
+            seed=cfg.seed * 1000 + replica,
+            rollout_cfg=cfg.rollout,
+            engine_url=engine_url,
         )
         self.rewards = RewardExecutor.from_config(cfg.reward)
+        # multimodal prompts arrive with media references; their tensors are built here, once per prompt,
+        # and the prompt's n samples reference them
+        self.media = MediaPrompts.from_config(cfg.modality, model_path)
         self.multi_turn = None
         if cfg.rollout.env is not None:  # agentic: episodes against an environment (relax_core/agentic)
             from relax_core.agentic import MultiTurnRunner
@@ -49,6 +60,8 @@ class Rollout:
     def generate(self, prompts: list[PromptRecord], greedy: bool = False) -> list[Sample]:
         """``n_samples_per_prompt`` scored samples per prompt (one when greedy); group id = prompt index."""
         sampling = self._sampling(greedy)
+        if self.media is not None:
+            prompts = self.media.materialize(prompts)
         if self.multi_turn is not None:
             return self.multi_turn.generate(self.engine, prompts, sampling, self.score)
         requests = [GenerationRequest(p.prompt_ids, str(p.index), p.multimodal_inputs) for p in prompts]
@@ -85,6 +98,16 @@ class Rollout:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self.engine.update_weights(state_dict, version)
+
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        """Weights from an HF folder (external engines load it themselves, by path)."""
+        self.engine.update_weights_from_disk(path, version)
+
+    def health(self) -> bool:
+        return self.engine.health()
+
+    def abort(self) -> None:
+        self.engine.abort()
 
     def rng_state(self) -> dict:
         """Sampling RNG of the engine and torch's global RNG: saved in checkpoints so that a resumed run draws

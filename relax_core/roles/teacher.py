@@ -105,6 +105,7 @@ def ensure_default_teacher(teacher_cfg, data_cfg, seed: int = 0, folder: str | P
     if marker.is_file() and json.loads(marker.read_text()).get("recipe") == recipe:
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
+    log.info("training the default %s teacher into %s (once; reused afterwards)", data_cfg.synthetic, folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         report = train_task_teacher(teacher_cfg, data_cfg, seed, tmp)
@@ -179,33 +180,46 @@ def train_task_teacher(teacher_cfg, data_cfg, seed: int, folder: Path) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        loss_value = float(loss)
+        loss_value = float(loss.detach())
     model.eval()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    accuracy = greedy_accuracy(model, tokenizer, [make_row(rng, data_cfg) for _ in range(128)], encode)
+    accuracy = greedy_accuracy(model, tokenizer, [make_row(rng, data_cfg) for _ in range(64)], encode)
     report = {
         "final_nll": loss_value,
         "greedy_accuracy": accuracy,
         "train_seconds": time.perf_counter() - start,
-        "spec": dataclasses.asdict(teacher_cfg) if dataclasses.is_dataclass(teacher_cfg) else dict(teacher_cfg),
+        "spec": dataclasses.asdict(teacher_cfg)
+        if dataclasses.is_dataclass(teacher_cfg)
+        else dict(teacher_cfg),
     }
-    log.info("teacher trained in %.1fs: nll %.4f, greedy accuracy %.3f", report["train_seconds"], loss_value, accuracy)
+    log.info(
+        "teacher trained in %.1fs: nll %.4f, greedy accuracy %.3f",
+        report["train_seconds"],
+        loss_value,
+        accuracy,
+    )
     return report
 
 
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, rows: list[dict], encode) -> float:
-    """Share of rows whose greedy continuation (up to ``<eos>``) equals the label exactly."""
-    solved = 0
-    for row in rows:
-        prompt_ids, target = encode(row)
-        ids = torch.tensor([prompt_ids])
-        for _ in range(len(target) + 2):
-            next_id = int(model(input_ids=ids).logits[0, -1].argmax())
-            if next_id == tokenizer.eos_token_id:
-                break
-            ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
-        text = tokenizer.decode(ids[0, len(prompt_ids) :].tolist(), skip_special_tokens=True)
-        solved += int(text.strip() == str(row["label"]))
-    return solved / max(len(rows), 1)
+    """Share of rows whose greedy continuation (up to ``<eos>``) equals the label exactly (one batch)."""
+    prompts = [encode(row)[0] for row in rows]
+    width = max(len(p) for p in prompts)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = (
+        torch.arange(width).unsqueeze(0) >= torch.tensor([width - len(p) for p in prompts]).unsqueeze(1)
+    ).long()
+    longest = max(len(encode(row)[1]) for row in rows) + 1
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=longest,
+        do_sample=False,
+        pad_token_id=pad,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    texts = tokenizer.batch_decode(out[:, width:].tolist(), skip_special_tokens=True)
+    return sum(text.strip() == str(row["label"]) for text, row in zip(texts, rows, strict=True)) / len(rows)

@@ -428,6 +428,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+    # Slurm sends the time-limit/checkpoint signal (submitit: USR2, the sbatch example: USR1) to every process
+    # of the step; it is meant for the driver, which then saves a checkpoint on this very cluster. Ray nodes
+    # ignore it (the disposition is inherited by raylet and the workers) instead of dying of it.
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _spawn(cmd: list[str]) -> subprocess.Popen:

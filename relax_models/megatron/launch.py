@@ -26,6 +26,13 @@ from relax_models.megatron.model import (
 MEGATRON_FAMILIES = ("qwen3", "qwen3_moe")
 
 
+def actor_world_size(trainer_cfg: Any) -> int:
+    """Actor replicas the trainer needs: the megatron training world, 1 for other backends."""
+    if trainer_cfg.backend != "megatron":
+        return 1
+    return training_world_size(trainer_cfg.megatron)
+
+
 def training_world_size(parallel: Any) -> int:
     """Processes one Actor group needs for ``trainer.megatron`` (1 when every size is 1)."""
     sizes = parallel if isinstance(parallel, ParallelSizes) else ParallelSizes.from_config(parallel)
@@ -35,10 +42,12 @@ def training_world_size(parallel: Any) -> int:
 
 
 def rank_env(rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1") -> dict[str, str]:
-    """The environment ``cpu_shim.init_process_group`` reads in replica ``rank`` (torchrun's names)."""
+    """The environment ``cpu_shim.init_process_group`` reads in replica ``rank`` (torchrun's names).
+
+    No ``LOCAL_RANK``: Ray shows each GPU actor only its own device, which is then ``cuda:0``.
+    """
     return {
         "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world_size),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
@@ -78,16 +87,23 @@ def check_megatron_launch(cfg: Any) -> int:
             f"trainer.backend=megatron trains model families {list(MEGATRON_FAMILIES)}; "
             f"model={cfg.model.name} is family {family!r}: use trainer=torch for it"
         )
-    sizes = ParallelSizes.from_config(cfg.trainer.megatron)
-    for name in ("tensor", "pipeline", "context", "expert"):
-        if getattr(sizes, name) < 1:
-            raise RelaxUserError(f"trainer.megatron.{name}={getattr(sizes, name)} must be >= 1")
+    raw = cfg.trainer.megatron
+    for name in ("tensor", "pipeline", "context", "expert", "expert_tensor"):
+        value = getattr(raw, name, None) if not isinstance(raw, dict) else raw.get(name)
+        if value is not None and value < 1:  # checked raw: ParallelSizes reads 0 as "unset"
+            raise RelaxUserError(f"trainer.megatron.{name}={value} must be >= 1")
+    sizes = ParallelSizes.from_config(raw)
     if sizes.pipeline > 1 or sizes.context > 1:
         raise RelaxUserError(
             f"trainer.megatron.pipeline={sizes.pipeline}, context={sizes.context}: the megatron backend runs "
             "tensor and expert parallelism only so far; set pipeline=1 and context=1"
         )
     world = training_world_size(sizes)
+    if world > 1 and cfg.mode.name != "colocate":
+        raise RelaxUserError(
+            f"trainer.megatron sizes need {world} Actor processes, which only mode=colocate starts so far; "
+            f"use mode=colocate, or mode={cfg.mode.name} with tensor=1 and expert=1"
+        )
     arch = _launch_arch(cfg.model)
     if arch is not None:
         validate_parallel_sizes(arch, sizes, world)

@@ -40,6 +40,10 @@ DENSE_DIMS = dict(
 )
 
 
+# the torch backend's loader checks the checkpoint against model.family
+MODEL_CFGS = {"dense": ModelConfig(), "moe": ModelConfig(family="qwen3_moe")}
+
+
 def _trainer_cfg(**overrides: Any) -> TrainerConfig:
     # grad_clip well below the gradient norm, so clipping is exercised
     kw = dict(lr=1e-3, weight_decay=0.01, betas=[0.9, 0.99], grad_clip=0.05, lr_warmup_steps=1)
@@ -106,8 +110,8 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.mark.parametrize("family", ["dense", "moe"])
 def test_forward_logprobs_match_the_torch_backend(folders, family: str) -> None:
     batch = _batch()
-    mega = MegatronBackend(folders[family], _trainer_cfg(), ModelConfig(), seed=1, trainable=False)
-    ref = TorchBackend(folders[family], _trainer_cfg(), ModelConfig(), trainable=False)
+    mega = MegatronBackend(folders[family], _trainer_cfg(), MODEL_CFGS[family], seed=1, trainable=False)
+    ref = TorchBackend(folders[family], _trainer_cfg(), MODEL_CFGS[family], trainable=False)
     got, expected = mega.forward_logprobs(batch, 4), ref.forward_logprobs(batch, 4)
     assert got.shape == expected.shape == batch.loss_mask.shape
     assert (got - expected).abs().max().item() < 1e-5
@@ -117,10 +121,13 @@ def test_forward_logprobs_match_the_torch_backend(folders, family: str) -> None:
 
 @pytest.mark.parametrize("family", ["dense", "moe"])
 def test_train_steps_match_the_torch_backend(folders, family: str) -> None:
-    """Two AdamW steps with micro-batch accumulation and active clipping give the same weights."""
-    cfg = _trainer_cfg()
-    mega = MegatronBackend(folders[family], cfg, ModelConfig(), seed=1)
-    ref = TorchBackend(folders[family], cfg, ModelConfig())
+    """Two AdamW steps with micro-batch accumulation, active clipping and the shared cosine schedule
+    (``relax_core.backends.schedule``) give the same weights and learning rates."""
+    # warm-up 1, cosine over 3 steps to 0.2: the lr after steps 1 and 2 is lr·1.0 and lr·(0.2 + 0.8·0.5)
+    cfg = _trainer_cfg(lr_decay="cosine", total_steps=3, min_lr_ratio=0.2)
+    expected_lr = [cfg.lr * 1.0, cfg.lr * 0.6]
+    mega = MegatronBackend(folders[family], cfg, MODEL_CFGS[family], seed=1)
+    ref = TorchBackend(folders[family], cfg, MODEL_CFGS[family])
     for step in range(2):
         batch = _batch(seed=step)
         loss_fn = _loss_fn(float(batch.loss_mask.sum()))
@@ -129,6 +136,7 @@ def test_train_steps_match_the_torch_backend(folders, family: str) -> None:
         assert m_metrics["grad_norm"] > cfg.grad_clip  # clipping was active
         for key in ("loss", "grad_norm", "lr", "entropy"):
             assert m_metrics[key] == pytest.approx(r_metrics[key], rel=1e-4, abs=1e-6), key
+        assert m_metrics["lr"] == pytest.approx(expected_lr[step], rel=1e-9)
     assert _max_diff(mega.state_dict(), ref.state_dict()) < 1e-5
     batch = _batch(seed=9)
     assert (mega.forward_logprobs(batch) - ref.forward_logprobs(batch)).abs().max().item() < 1e-4
@@ -138,7 +146,7 @@ def test_train_steps_match_the_torch_backend(folders, family: str) -> None:
 def test_state_dict_loads_strictly_into_transformers_and_back(folders, family: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    mega = MegatronBackend(folders[family], _trainer_cfg(), ModelConfig(), seed=1)
+    mega = MegatronBackend(folders[family], _trainer_cfg(), MODEL_CFGS[family], seed=1)
     batch = _batch()
     loss_fn = _loss_fn(float(batch.loss_mask.sum()))
     mega.train_step(batch, loss_fn, micro_batch_size=6)
@@ -146,7 +154,7 @@ def test_state_dict_loads_strictly_into_transformers_and_back(folders, family: s
     hf = AutoModelForCausalLM.from_pretrained(folders[family])
     hf.load_state_dict(trained, strict=True)  # exactly the in-memory module's names and shapes
     # a second backend loads the trained weights (module layout) and scores like the first one
-    other = MegatronBackend(folders[family], _trainer_cfg(), ModelConfig(), seed=1, trainable=False)
+    other = MegatronBackend(folders[family], _trainer_cfg(), MODEL_CFGS[family], seed=1, trainable=False)
     other.load_state_dict(trained)
     assert torch.equal(other.forward_logprobs(batch), mega.forward_logprobs(batch))
     assert _max_diff(other.state_dict(), trained) == 0.0
@@ -155,7 +163,7 @@ def test_state_dict_loads_strictly_into_transformers_and_back(folders, family: s
 def test_weight_buckets_stream_every_checkpoint_tensor_within_budget(folders) -> None:
     from relax_models.megatron.bridge import SafetensorsCheckpoint
 
-    mega = MegatronBackend(folders["moe"], _trainer_cfg(), ModelConfig(), seed=1, trainable=False)
+    mega = MegatronBackend(folders["moe"], _trainer_cfg(), MODEL_CFGS["moe"], seed=1, trainable=False)
     budget = 40_000
     buckets = list(mega.hf_weight_buckets(budget))
     names = [n for b in buckets for n, _ in b]
@@ -170,7 +178,7 @@ def test_weight_buckets_stream_every_checkpoint_tensor_within_budget(folders) ->
 
 def test_checkpoint_resume_reproduces_the_next_step_exactly(folders, tmp_path) -> None:
     cfg = _trainer_cfg()
-    mega = MegatronBackend(folders["moe"], cfg, ModelConfig(), seed=1)
+    mega = MegatronBackend(folders["moe"], cfg, MODEL_CFGS["moe"], seed=1)
     batches = [_batch(seed=s) for s in range(3)]
     fns = [_loss_fn(float(b.loss_mask.sum())) for b in batches]
     mega.train_step(batches[0], fns[0], 4)
@@ -179,7 +187,7 @@ def test_checkpoint_resume_reproduces_the_next_step_exactly(folders, tmp_path) -
     after_resume_point = mega.train_step(batches[2], fns[2], 4)
     expected = mega.state_dict()
 
-    resumed = MegatronBackend(folders["moe"], cfg, ModelConfig(), seed=2)
+    resumed = MegatronBackend(folders["moe"], cfg, MODEL_CFGS["moe"], seed=2)
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
     resumed.train_step(batches[1], fns[1], 4)
     again = resumed.train_step(batches[2], fns[2], 4)
@@ -188,7 +196,7 @@ def test_checkpoint_resume_reproduces_the_next_step_exactly(folders, tmp_path) -
 
 
 def test_checkpoint_from_other_parallel_sizes_is_refused(folders, tmp_path) -> None:
-    mega = MegatronBackend(folders["dense"], _trainer_cfg(), ModelConfig(), seed=1)
+    mega = MegatronBackend(folders["dense"], _trainer_cfg(), MODEL_CFGS["dense"], seed=1)
     mega.save_checkpoint(str(tmp_path))
     meta = torch.load(next(tmp_path.glob("megatron_rank*.pt")), weights_only=False)
     meta["parallel"]["tensor"] = 2
@@ -203,22 +211,24 @@ def test_checkpoint_from_other_parallel_sizes_is_refused(folders, tmp_path) -> N
 def test_export_hf_is_loaded_by_transformers(folders, tmp_path, family: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    mega = MegatronBackend(folders[family], _trainer_cfg(), ModelConfig(), seed=1)
+    mega = MegatronBackend(folders[family], _trainer_cfg(), MODEL_CFGS[family], seed=1)
     batch = _batch()
     mega.train_step(batch, _loss_fn(float(batch.loss_mask.sum())), 6)
     mega.export_hf(str(tmp_path))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert AutoTokenizer.from_pretrained(tmp_path).eos_token == "<eos>"
     assert _max_diff(hf.state_dict(), mega.state_dict()) == 0.0
-    ref = TorchBackend(str(tmp_path), _trainer_cfg(), ModelConfig(), trainable=False)
+    ref = TorchBackend(str(tmp_path), _trainer_cfg(), MODEL_CFGS[family], trainable=False)
     assert (ref.forward_logprobs(batch) - mega.forward_logprobs(batch)).abs().max().item() < 1e-5
 
 
 def test_unsupported_settings_are_user_errors(folders, tmp_path) -> None:
     with pytest.raises(RelaxUserError, match="pipeline"):
-        MegatronBackend(folders["dense"], _trainer_cfg(), ModelConfig(), seed=1, parallel={"pipeline": 2})
+        MegatronBackend(
+            folders["dense"], _trainer_cfg(), MODEL_CFGS["dense"], seed=1, parallel={"pipeline": 2}
+        )
     with pytest.raises(RelaxUserError, match="not divisible"):
-        MegatronBackend(folders["dense"], _trainer_cfg(), ModelConfig(), seed=1, parallel={"tensor": 2})
+        MegatronBackend(folders["dense"], _trainer_cfg(), MODEL_CFGS["dense"], seed=1, parallel={"tensor": 2})
     with pytest.raises(RelaxUserError, match="model.dtype"):
         MegatronBackend(folders["dense"], _trainer_cfg(), ModelConfig(dtype="int8"), seed=1)
     (tmp_path / "config.json").write_text(Path(folders["dense"], "config.json").read_text())
@@ -239,7 +249,9 @@ def _parallel_worker(rank: int, port: int, folders: dict[str, str], out_dir: str
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     for case, (family, parallel) in PARALLEL_CASES.items():
         try:
-            mega = MegatronBackend(folders[family], _trainer_cfg(), ModelConfig(), seed=1, parallel=parallel)
+            mega = MegatronBackend(
+                folders[family], _trainer_cfg(), MODEL_CFGS[family], seed=1, parallel=parallel
+            )
             metrics = []
             for step in range(2):
                 batch = _batch(seed=step)  # every rank trains on the same batch
@@ -270,7 +282,7 @@ def parallel_runs(folders, tmp_path_factory) -> dict[tuple[int, str], dict[str, 
 @pytest.mark.parametrize("case", list(PARALLEL_CASES))
 def test_two_process_training_matches_single_process_torch_backend(folders, parallel_runs, case: str) -> None:
     family, _ = PARALLEL_CASES[case]
-    ref = TorchBackend(folders[family], _trainer_cfg(), ModelConfig())
+    ref = TorchBackend(folders[family], _trainer_cfg(), MODEL_CFGS[family])
     ref_metrics = []
     for step in range(2):
         batch = _batch(seed=step)

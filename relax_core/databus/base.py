@@ -1,0 +1,94 @@
+"""The DataBus interface: per-step partitions of samples whose fields are written by different roles.
+
+A partition (``train_{step}``) holds one row per sample, keyed by its position in the step. Roles add
+columns as they finish their part (Rollout: tokens, masks, rollout log-probs, rewards; ActorFwd: old
+log-probs; Reference: ref log-probs; Advantages: advantages). A consumer asks which rows already have
+every field it needs and that it has not consumed yet (:meth:`DataBus.ready`), reads them, and marks them
+consumed for its task, so each role processes every row exactly once and can start on the first rows of
+a step before the last ones exist.
+
+Values are per-sample tensors (0-d scalars or 1-d sequences of any length).
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+
+import torch
+
+Fields = dict[str, list[torch.Tensor]]
+
+
+def partition_name(step: int) -> str:
+    return f"train_{step}"
+
+
+def sample_key(position: int) -> str:
+    """Row key of the sample at ``position`` in its step; keys sort in step order."""
+    return f"{position:07d}"
+
+
+class DataBusTimeout(TimeoutError):
+    """A consumer waited longer than its timeout for rows that never became ready."""
+
+
+class DataBus(abc.ABC):
+    """Samples of in-flight steps, with per-field readiness and per-task consumption."""
+
+    @abc.abstractmethod
+    def put(self, partition: str, keys: list[str], fields: Fields) -> None:
+        """Write (or add) ``fields`` for ``keys``; ``fields[name][i]`` belongs to ``keys[i]``."""
+
+    @abc.abstractmethod
+    def ready(self, partition: str, fields: list[str], task: str | None = None) -> list[str]:
+        """Sorted keys that hold every one of ``fields`` and that ``task`` has not consumed."""
+
+    @abc.abstractmethod
+    def get(self, partition: str, keys: list[str], fields: list[str]) -> Fields:
+        """``fields`` of ``keys``, in the order of ``keys``."""
+
+    @abc.abstractmethod
+    def consume(self, partition: str, keys: list[str], task: str) -> None:
+        """Mark ``keys`` as processed by ``task`` (they stop appearing in its :meth:`ready`)."""
+
+    @abc.abstractmethod
+    def consumed(self, partition: str, task: str) -> list[str]:
+        """Sorted keys ``task`` has consumed."""
+
+    @abc.abstractmethod
+    def clear(self, partition: str) -> None:
+        """Drop the partition and everything in it."""
+
+    @abc.abstractmethod
+    def partitions(self) -> list[str]:
+        """Names of the partitions that hold data."""
+
+    def close(self) -> None:
+        """Release the bus's processes (only the process that started it does anything)."""
+
+    def wait_ready(
+        self,
+        partition: str,
+        fields: list[str],
+        task: str | None,
+        min_count: int,
+        timeout_s: float = 600.0,
+        poll_s: float = 0.005,
+    ) -> list[str]:
+        """Block until at least ``min_count`` keys are :meth:`ready`; return all ready keys.
+
+        Polls with a backoff up to 50 ms so an idle consumer costs little CPU.
+        """
+        deadline = time.monotonic() + timeout_s
+        delay = poll_s
+        while True:
+            keys = self.ready(partition, fields, task)
+            if len(keys) >= min_count:
+                return keys
+            if time.monotonic() > deadline:
+                raise DataBusTimeout(
+                    f"{partition}: {len(keys)}/{min_count} rows with fields {fields} after {timeout_s:.0f} s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.05)

@@ -1,0 +1,79 @@
+"""Each algorithm learns on the default task: a short run in one shared Ray session, reward must rise.
+
+Runs are kept small (partial 25-step warm-start, 30 RL steps, 8 prompts x 4 samples) so the whole suite fits
+the CI budget; the start is weak on purpose so there is room to improve. The comparison is the mean train
+reward of the last 10 steps against the first 10 (DAPO: over every generated sample, before filtering).
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from relax_launch.cli import CONFIG_MODULE
+
+ALGORITHMS = [
+    "grpo", "dr_grpo", "dapo", "gspo", "sapo", "cispo", "rloo",
+    "reinforce_pp", "reinforce_pp_baseline", "ppo", "opd",
+]  # fmt: skip
+SMALL_RUN = [
+    "trainer.total_steps=30",
+    "trainer.sft_warmup_steps=25",
+    "rollout.batch_size=8",
+    "rollout.n_samples_per_prompt=4",
+    "trainer.eval_every=0",
+    "logger=jsonl",
+    "logger.plot=false",
+    "rollout.num_threads=1",
+    "trainer.num_threads=1",
+]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def teacher_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("teachers")
+
+
+def run_algorithm(name: str, out_dir, extra: list[str]) -> tuple[dict, list[dict]]:
+    from relax_core.controller import Controller
+    from relax_core.validation import validate
+
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        cfg = compose("config", overrides=[f"algorithm={name}", *SMALL_RUN, *extra])
+    cfg.output_dir = str(out_dir)
+    config = OmegaConf.to_object(cfg)
+    validate(config)
+    controller = Controller(config, OmegaConf.to_container(cfg, resolve=True))
+    summary = controller.run()
+    return summary, [m for m in controller.sink.history if m.get("step", 1) > 0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_algorithm_reward_rises(name, ray_session, teacher_cache, tmp_path):
+    # a shorter teacher schedule than the default keeps the suite in budget
+    extra = (
+        [f"algorithm.teacher.cache_dir={teacher_cache}", "algorithm.teacher.train_steps=120"]
+        if name == "opd"
+        else []
+    )
+    summary, history = run_algorithm(name, tmp_path, extra)
+    assert summary["status"] == "finished" and summary["steps"] == 30
+    key = "dynamic_sampling/reward_all_mean" if name == "dapo" else "reward/mean"
+    rewards = [m[key] for m in history if key in m]
+    assert len(rewards) == 30
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.02, f"{name}: reward {first:.3f} -> {last:.3f}"
+    if name == "ppo":
+        assert any("critic/vf_loss" in m for m in history)
+    if name == "opd":
+        assert (teacher_cache / "teachers").is_dir()

@@ -1,0 +1,47 @@
+"""Session-wide test setup: quiet, offline, single-threaded torch, and one tiny model folder for everyone.
+
+Area-specific fixtures live in ``tests/<area>/conftest.py``; keep this file small.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# offline and quiet in this process and every subprocess / Ray worker it starts
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+# the shared 2-core machine: one intra-op thread keeps tests from fighting each other
+torch.set_num_threads(1)
+
+# the dimensions of conf/model/tiny_qwen3.yaml
+TINY_DIMS = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_dims() -> dict:
+    """Qwen3Config overrides of the default tiny model (``conf/model/tiny_qwen3.yaml``)."""
+    return dict(TINY_DIMS)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny Qwen3 + char tokenizer folder, built once (read-only for tests)."""
+    from relax_models.tiny import build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=7, **TINY_DIMS)

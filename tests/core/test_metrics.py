@@ -1,0 +1,113 @@
+"""MetricsSink: metrics.jsonl, the MLflow SQLite run (params, per-step metrics, artefacts), the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
+
+from relax_core.metrics import MetricsSink, flatten, format_step_line
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def step_metrics(step: int) -> dict[str, float]:
+    return {
+        "reward/mean": 0.1 * step,
+        "reward/std": 0.05,
+        "loss": -0.01 * step,
+        "kl": 0.0,
+        "entropy": 1.5,
+        "tokens_per_s": 1000.0 + step,
+        "step_time_s": 0.4,
+        "time/rollout_s": 0.2,
+        "pass@1": 0.5,  # MLflow forbids '@' in names: it is renamed, not dropped
+    }
+
+
+def resolved_of(cfg) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def test_flatten() -> None:
+    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}, "f": None}) == {
+        "a.b": 1,
+        "a.c.d": [1, 2],
+        "e": {},
+        "f": None,
+    }
+
+
+def test_format_step_line() -> None:
+    line = format_step_line(3, 10, step_metrics(3) | {"eval/accuracy": 0.25, "staleness/mean": 1.0})
+    assert line.startswith("step    3/10 | reward 0.300±0.050 | eval acc 0.250")
+    assert "stale 1.0" in line and "1003 tok/s" in line and line.endswith("0.40s")
+
+
+def test_sink_writes_jsonl_mlflow_and_plot(make_cfg, tmp_path: Path) -> None:
+    cfg = make_cfg("logger.run_name=sink-test")
+    resolved = resolved_of(cfg)
+    sink = MetricsSink(cfg, resolved)
+    sink.log(0, {"eval/accuracy_init": 0.0, "eval/accuracy": 0.125})
+    for step in (1, 2, 3):
+        metrics = step_metrics(step)
+        if step == 3:
+            metrics |= {"eval/accuracy": 0.5, "grad_norm": math.nan}
+        sink.log(step, metrics)
+    sink.finish({"status": "finished", "steps": 3, "reward_gain": 0.2, "output_dir": str(tmp_path)})
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert records[2]["reward/mean"] == pytest.approx(0.2) and records[3]["eval/accuracy"] == 0.5
+    assert math.isnan(records[3]["grad_norm"])
+    assert json.loads((tmp_path / "summary.json").read_text())["reward_gain"] == 0.2
+    saved = OmegaConf.load(tmp_path / "config.yaml")
+    assert OmegaConf.to_container(saved) == resolved
+    png = tmp_path / "reward_curve.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("relax")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "sink-test"
+    params = run.data.params
+    assert params["algorithm.name"] == "grpo"
+    assert params["rollout.batch_size"] == "4"
+    assert params["trainer.lr"] == str(cfg.trainer.lr)
+    assert params["model.tiny.hidden_size"] == "128"
+    assert len(params) == len(flatten(resolved))
+    history = client.get_metric_history(run.info.run_id, "reward/mean")
+    assert sorted((m.step, round(m.value, 6)) for m in history) == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] in ([0, 3], [3, 0])
+    assert len(client.get_metric_history(run.info.run_id, "pass_1")) == 3
+    assert client.get_metric_history(run.info.run_id, "grad_norm") == []  # non-finite values are skipped
+    assert run.data.metrics["summary/reward_gain"] == pytest.approx(0.2)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "reward_curve.png", "summary.json"} <= artifacts
+    assert mlflow.active_run() is None
+
+
+def test_failed_run_is_marked_failed(make_cfg, tmp_path: Path) -> None:
+    cfg = make_cfg()
+    sink = MetricsSink(cfg, resolved_of(cfg))
+    sink.finish({"status": "failed"}, status="FAILED")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("relax").experiment_id])
+    assert run.info.status == "FAILED"
+    assert not (tmp_path / "reward_curve.png").exists()  # nothing to plot
+
+
+def test_jsonl_logger_writes_no_mlflow_store(make_cfg, tmp_path: Path) -> None:
+    cfg = make_cfg("logger=jsonl", "logger.plot=false")
+    sink = MetricsSink(cfg, resolved_of(cfg))
+    sink.log(1, step_metrics(1))
+    sink.finish({"status": "finished"})
+    assert not (tmp_path / "mlflow.db").exists()
+    assert not (tmp_path / "reward_curve.png").exists()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1

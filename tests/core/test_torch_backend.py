@@ -1,0 +1,170 @@
+"""TorchBackend: micro-batch accumulation, checkpoints, HF export."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
+from relax_core.backends import build_backend
+from relax_core.backends.torch_backend import TorchBackend
+from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relax_core.errors import RelaxUserError
+from relax_core.samples import Sample, TrainBatch
+from relax_models.loader import load_tokenizer
+
+TRAINER = TrainerConfig(lr=1e-3, lr_decay="constant", grad_clip=1e6)
+
+
+def make_batch(tokenizer, with_masked_row: bool = False) -> TrainBatch:
+    """7 samples of varied prompt/response lengths, some tokens masked, advantages of both signs."""
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(7):
+        prompt = tokenizer(f"sort {'3' * (i % 3 + 1)}{i}:", add_special_tokens=False).input_ids
+        r = 2 + (i * 3) % 6
+        response = torch.randint(3, len(tokenizer), (r,), generator=gen).tolist()
+        mask = [1] * r
+        if i % 3 == 1:
+            mask[0] = 0  # e.g. an environment observation
+        if with_masked_row and i == 4:
+            mask = [0] * r  # e.g. a FAILED sample under failed_sample_policy=mask
+        samples.append(Sample(i // 2, i % 2, prompt, response, [0.0] * r, mask, reward=float(i % 2)))
+    batch = TrainBatch.from_samples(samples, tokenizer.pad_token_id)
+    adv = torch.linspace(-1.0, 1.2, len(batch)).unsqueeze(1) * batch.loss_mask
+    batch.extras["advantages"] = adv
+    return batch
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    return load_tokenizer(str(tiny_model_dir))
+
+
+def objective_step(backend: TorchBackend, batch: TrainBatch, algo: AlgorithmConfig, micro: int) -> dict:
+    """One optimizer step the way the Actor does it: per-micro-batch weights from the whole batch."""
+    total_tokens, total_seqs = float(batch.loss_mask.sum()), sequence_count(batch, algo)
+
+    def loss_fn(mb, logprobs, entropy):
+        return policy_objective(
+            mb, logprobs, entropy, algo, micro_batch_weight(mb, total_tokens, total_seqs, algo)
+        )
+
+    return backend.train_step(batch, loss_fn, micro)
+
+
+@pytest.mark.parametrize(
+    ("agg", "masked_row"),
+    [
+        ("token-mean", False),
+        ("token-mean", True),
+        ("seq-mean-token-mean", False),
+        ("seq-mean-token-mean", True),
+        ("seq-mean-token-sum", False),
+        ("seq-mean-token-sum-norm", False),
+    ],
+)
+def test_micro_batch_accumulation_equals_one_full_batch_step(
+    tiny_model_dir: Path, tokenizer, agg: str, masked_row: bool
+) -> None:
+    algo = AlgorithmConfig(loss_agg_mode=agg, loss_scale=8.0, entropy_coef=0.01)
+    batch = make_batch(tokenizer, masked_row)
+    full = TorchBackend(str(tiny_model_dir), TRAINER, ModelConfig())
+    split = TorchBackend(str(tiny_model_dir), TRAINER, ModelConfig())
+    m_full = objective_step(full, batch, algo, micro=len(batch))
+    m_split = objective_step(split, batch, algo, micro=2)  # 4 uneven micro-batches (2, 2, 2, 1)
+    assert m_split["loss"] == pytest.approx(m_full["loss"], abs=1e-6)
+    assert m_split["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=1e-4)
+    assert m_full["grad_norm"] > 0
+    for (name, p_full), p_split in zip(full.model.named_parameters(), split.model.parameters(), strict=True):
+        assert torch.allclose(p_full.grad, p_split.grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_train_step_changes_weights_and_reports_metrics(tiny_model_dir: Path, tokenizer) -> None:
+    backend = build_backend("torch", str(tiny_model_dir), TRAINER, ModelConfig(), temperature=1.0, seed=0)
+    before = backend.state_dict()
+    batch = make_batch(tokenizer)
+    metrics = objective_step(backend, batch, AlgorithmConfig(), micro=3)
+    assert {"loss", "pg_loss", "entropy", "grad_norm", "lr"} <= set(metrics)
+    assert metrics["lr"] == pytest.approx(1e-3)
+    after = backend.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    # state_dict is a copy (it is shipped to rollout engines): later steps do not mutate it
+    snapshot = {k: v.clone() for k, v in after.items()}
+    objective_step(backend, batch, AlgorithmConfig(), micro=3)
+    assert all(torch.equal(after[k], snapshot[k]) for k in after)
+    assert any(not torch.equal(after[k], v) for k, v in backend.state_dict().items())
+
+
+def test_frozen_backend_has_no_optimizer(tiny_model_dir: Path, tokenizer) -> None:
+    frozen = TorchBackend(str(tiny_model_dir), TRAINER, ModelConfig(), trainable=False)
+    assert not any(p.requires_grad for p in frozen.model.parameters())
+    logprobs = frozen.forward_logprobs(make_batch(tokenizer), micro_batch_size=3)
+    assert logprobs.shape == make_batch(tokenizer).loss_mask.shape
+    assert (logprobs <= 0).all()
+    with pytest.raises(AssertionError):
+        objective_step(frozen, make_batch(tokenizer), AlgorithmConfig(), micro=3)
+
+
+def test_forward_logprobs_independent_of_micro_batch_size(tiny_model_dir: Path, tokenizer) -> None:
+    backend = TorchBackend(str(tiny_model_dir), TRAINER, ModelConfig(), temperature=0.8, trainable=False)
+    batch = make_batch(tokenizer)
+    whole = backend.forward_logprobs(batch, micro_batch_size=64)
+    pieces = backend.forward_logprobs(batch, micro_batch_size=2)
+    assert whole.shape == pieces.shape == batch.loss_mask.shape
+    assert torch.allclose(whole, pieces, atol=1e-5)
+
+
+def test_checkpoint_round_trip_restores_weights_and_optimizer(
+    tiny_model_dir: Path, tokenizer, tmp_path: Path
+) -> None:
+    trainer = replace(TRAINER, lr_decay="cosine", total_steps=10, lr_warmup_steps=1)
+    algo = AlgorithmConfig()
+    batch = make_batch(tokenizer)
+    a = TorchBackend(str(tiny_model_dir), trainer, ModelConfig())
+    for _ in range(2):
+        objective_step(a, batch, algo, micro=4)
+    a.save_checkpoint(str(tmp_path / "ckpt"))
+    b = TorchBackend(str(tiny_model_dir), trainer, ModelConfig())
+    b.load_checkpoint(str(tmp_path / "ckpt"))
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    state_a, state_b = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert state_a.keys() == state_b.keys() and len(state_a) > 0
+    for idx in state_a:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(state_a[idx][key]), torch.as_tensor(state_b[idx][key]))
+    assert a.scheduler.get_last_lr() == b.scheduler.get_last_lr()
+    # and the next step is the same on both: moments and schedule were restored, not re-initialised
+    m_a, m_b = objective_step(a, batch, algo, micro=4), objective_step(b, batch, algo, micro=4)
+    assert m_a["lr"] == m_b["lr"]
+    for k, v in a.state_dict().items():
+        assert torch.allclose(v, b.state_dict()[k], atol=1e-7), k
+    fresh = TorchBackend(str(tiny_model_dir), trainer, ModelConfig())
+    objective_step(fresh, batch, algo, micro=4)
+    assert any(not torch.allclose(v, fresh.state_dict()[k]) for k, v in a.state_dict().items())
+
+
+def test_export_hf_folder_loads_with_transformers(tiny_model_dir: Path, tokenizer, tmp_path: Path) -> None:
+    backend = TorchBackend(str(tiny_model_dir), TRAINER, ModelConfig())
+    batch = make_batch(tokenizer)
+    objective_step(backend, batch, AlgorithmConfig(), micro=4)
+    backend.export_hf(str(tmp_path / "hf"))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    backend.model.eval()
+    with torch.no_grad():
+        expected = backend.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        got = loaded(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    assert torch.allclose(expected, got, atol=1e-5)
+    exported_tok = load_tokenizer(str(tmp_path / "hf"))
+    assert exported_tok("sort 12:").input_ids == tokenizer("sort 12:").input_ids
+    assert exported_tok.eos_token_id == tokenizer.eos_token_id
+
+
+def test_unknown_backend_is_a_user_error(tiny_model_dir: Path) -> None:
+    with pytest.raises(RelaxUserError, match="trainer.backend='nope'"):
+        build_backend("nope", str(tiny_model_dir), TRAINER, ModelConfig(), temperature=1.0, seed=0)

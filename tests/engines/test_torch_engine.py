@@ -1,0 +1,167 @@
+"""The torch engine's fast path (slot KV cache, continuous batching) pinned against plain full forwards and
+the training backend's log-probs; the static multimodal path against a full-forward greedy loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from engine_helpers import make_engine
+from PIL import Image
+
+from relax_core.algorithms.logprobs import token_logprobs_and_entropy
+from relax_core.engines.base import GenerationRequest, SamplingParams
+from relax_core.engines.torch_engine import TorchEngine, filter_logits
+from relax_core.samples import Sample, TrainBatch
+
+PROMPTS = ["sort 31524:", "sort 9:", "hello there, sort 8080:", "x"]
+
+
+def reqs(tokenizer, prompts=PROMPTS) -> list[GenerationRequest]:
+    return [GenerationRequest(tokenizer(p).input_ids, f"r{i}") for i, p in enumerate(prompts)]
+
+
+@torch.no_grad()
+def greedy_loop(model, ids: list[int], steps: int, forward_kwargs=None) -> list[int]:
+    """Argmax decoding re-running the whole sequence every step (no cache, no batching)."""
+    ids = list(ids)
+    start = len(ids)
+    for _ in range(steps):
+        x = torch.tensor([ids])
+        kwargs = forward_kwargs(x) if forward_kwargs else {}
+        ids.append(int(model(input_ids=x, **kwargs).logits[0, -1].argmax()))
+    return ids[start:]
+
+
+def test_engine_logprobs_match_training_recomputation(tiny_model_dir: Path, tokenizer, model) -> None:
+    """Sampled tokens' log-probs equal token_logprobs_and_entropy on the same tokens (fp32, T=0.7, top-k/p)."""
+    engine = make_engine(tiny_model_dir, tokenizer, seed=1)
+    requests = reqs(tokenizer)
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=20, n=3)
+    results = engine.generate(requests, sampling)
+    assert len(results) == len(requests) * 3
+    samples = [
+        Sample(i // 3, i % 3, requests[i // 3].input_ids, r.output_ids, r.logprobs, [1] * len(r.output_ids))
+        for i, r in enumerate(results)
+    ]
+    batch = TrainBatch.from_samples(samples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    expected, _ = token_logprobs_and_entropy(logits, batch, temperature=0.7)
+    torch.testing.assert_close(batch.rollout_logprobs, expected, atol=2e-5, rtol=0)
+    # the n samples of one prompt really are sampled independently
+    assert len({tuple(r.output_ids) for r in results[:3]}) > 1
+
+
+def test_greedy_equals_full_forward_with_continuous_batching(tiny_model_dir: Path, tokenizer, model) -> None:
+    """With 4 slots and 8 samples waiting, finished rows free slots for queued ones; outputs stay exact."""
+    engine = make_engine(tiny_model_dir, tokenizer, max_running=4)
+    engine.eos_token_ids = []  # run every row to its own budget
+    requests = reqs(tokenizer)
+    jobs = [
+        engine.submit(r, SamplingParams(max_new_tokens=3 + 4 * i, temperature=0.0, n=2))
+        for i, r in enumerate(requests)
+    ]
+    engine.run_until(jobs)
+    assert engine.peak_running == 4
+    for i, (request, job) in enumerate(zip(requests, jobs)):
+        expected = greedy_loop(model, request.input_ids, 3 + 4 * i)
+        for result in job.results:
+            assert result.output_ids == expected
+            assert result.finish_reason == "length"
+
+
+def test_stop_token_and_stop_string(tiny_model_dir: Path, tokenizer, model) -> None:
+    engine = make_engine(tiny_model_dir, tokenizer)
+    engine.eos_token_ids = []
+    request = reqs(tokenizer)[0]
+    free = greedy_loop(model, request.input_ids, 8)
+    [by_id] = engine.generate([request], SamplingParams(8, temperature=0.0, stop_token_ids=[free[2]]))
+    cut = free.index(free[2]) + 1
+    assert by_id.output_ids == free[:cut] and by_id.finish_reason == "stop"
+    text = tokenizer.decode(free[3:5])
+    [by_text] = engine.generate([request], SamplingParams(8, temperature=0.0, stop_strings=[text]))
+    assert by_text.finish_reason == "stop" and text in tokenizer.decode(by_text.output_ids)
+    assert len(by_text.output_ids) <= 5
+
+
+def test_abort_returns_partial_results(tiny_model_dir: Path, tokenizer) -> None:
+    engine = make_engine(tiny_model_dir, tokenizer)
+    engine.eos_token_ids = []
+    out = {}
+    big = [GenerationRequest(tokenizer("sort 1:").input_ids, "a")]
+    worker = threading.Thread(target=lambda: out.update(r=engine.generate(big, SamplingParams(200, n=4))))
+    worker.start()
+    while engine.peak_running == 0:
+        time.sleep(0.01)
+    engine.abort()
+    worker.join(timeout=60)
+    assert [r.finish_reason for r in out["r"]] == ["abort"] * 4
+    assert all(len(r.output_ids) < 200 for r in out["r"])
+
+
+def test_weight_update_changes_outputs(tiny_model_dir: Path, tokenizer, model) -> None:
+    engine = make_engine(tiny_model_dir, tokenizer)
+    request = reqs(tokenizer)[:1]
+    before = engine.generate(request, SamplingParams(6, temperature=0.0))[0]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = torch.randn_like(state["lm_head.weight"])
+    engine.update_weights(state, version=7)
+    after = engine.generate(request, SamplingParams(6, temperature=0.0))[0]
+    assert after.weight_version == 7 and before.weight_version == 0
+    assert after.logprobs != before.logprobs
+
+
+def test_filter_logits_top_k_top_p() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    assert torch.isinf(filter_logits(logits, 2, 1.0)[0, 2:]).all()
+    probs = logits.softmax(-1)[0]  # 0.64, 0.24, 0.09, 0.03
+    kept = torch.isfinite(filter_logits(logits, -1, float(probs[0] + 0.01))[0])
+    assert kept.tolist() == [True, True, False, False]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="bf16 matmul needs oneDNN")
+def test_bfloat16_engine_runs(tiny_model_dir: Path, tokenizer, model) -> None:
+    """bf16 compute gives valid tokens whose log-probs are close to the fp32 recomputation."""
+    engine = make_engine(tiny_model_dir, tokenizer, dtype=torch.bfloat16)
+    requests = reqs(tokenizer)
+    results = engine.generate(requests, SamplingParams(6, temperature=0.0))
+    for request, result in zip(requests, results):
+        assert len(result.output_ids) >= 1
+        with torch.no_grad():
+            ids = torch.tensor([request.input_ids + result.output_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+        first = float(logp[len(request.input_ids) - 1, result.output_ids[0]])
+        assert abs(first - result.logprobs[0]) < 0.1
+
+
+def test_multimodal_vl_greedy_equals_full_forward(tmp_path: Path) -> None:
+    """Qwen3-VL twin: prefill with pixel kwargs + M-RoPE, decode with decode_positions = full-forward loop."""
+    from relax_models.families import FAMILIES, forward_kwargs
+    from relax_models.loader import load_tokenizer
+    from relax_models.processors import build_multimodal_inputs, load_processor
+    from relax_models.tiny_multimodal import build_tiny_qwen3_vl
+
+    folder = build_tiny_qwen3_vl(tmp_path / "vl", seed=3)
+    model = FAMILIES["qwen3_vl"].load(folder).eval()
+    tokenizer = load_tokenizer(str(folder))
+    proc = load_processor(folder)
+    rng = np.random.default_rng(0)
+    prompts = []
+    for i, (h, w) in enumerate([(64, 96), (96, 64)]):
+        image = Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+        prompts.append(
+            build_multimodal_inputs(proc, "see <image> ok" if i == 0 else "two <image>", images=[image])
+        )
+    engine = TorchEngine(model, tokenizer.pad_token_id, [], tokenizer=tokenizer, family="qwen3_vl")
+    requests = [GenerationRequest(ids, f"m{i}", mm) for i, (ids, mm) in enumerate(prompts)]
+    results = engine.generate(requests, SamplingParams(5, temperature=0.0))
+    for (ids, mm), result in zip(prompts, results):
+        expected = greedy_loop(
+            model, ids, 5, lambda x, mm=mm: forward_kwargs("qwen3_vl", mm, input_ids=x, config=model.config)
+        )
+        assert result.output_ids == expected

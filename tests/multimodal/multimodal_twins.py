@@ -1,0 +1,23 @@
+"""Configs of the tiny multimodal twins and their synthetic tasks, shared by the multimodal tests."""
+
+from __future__ import annotations
+
+from relax_core.config import ModelConfig, TinyModelSpec
+
+TASKS = {
+    # family -> (synthetic task, modality name, modality.keys)
+    "qwen3_vl": ("vision_colors", "vision", {"image": "images"}),
+    "qwen3_omni": ("audio_tones", "audio", {"audio": "audios"}),
+}
+
+
+def tiny_model_cfg(family: str) -> ModelConfig:
+    """The model config the conf/model/tiny_<family>.yaml twins use."""
+    spec = TinyModelSpec(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+    )
+    return ModelConfig(name=f"tiny_{family}", family=family, tiny=spec)

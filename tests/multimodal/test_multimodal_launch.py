@@ -1,0 +1,191 @@
+"""The launcher with modalities: configs compose, a modality the model family cannot take is refused before
+Ray starts, the GPU recipes compose and require model.path, and the tiny vision/audio experiments learn."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+import relax_launch.cli  # noqa: F401  (registers the config schema with Hydra)
+from relax_core.config import RelaxConfig
+from relax_core.errors import RelaxUserError
+from relax_core.validation import validate
+from relax_models.families import FAMILIES, get_family
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+MODALITY_OPTIONS = sorted(p.stem for p in (CONF / "modality").glob("*.yaml"))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "RAY_DEDUP_LOGS": "1"}
+
+
+def _compose(overrides: list[str]) -> RelaxConfig:
+    with initialize_config_module("relax_launch.conf", version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return OmegaConf.to_object(cfg)
+
+
+def _launch(args: list[str], cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "relax_launch", *args],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_model_configs_match_their_families() -> None:
+    assert MODALITY_OPTIONS == ["audio", "omni", "text", "vision"]
+    for file in sorted((CONF / "model").glob("*.yaml")):
+        cfg = _compose([f"model={file.stem}"])
+        spec = get_family(cfg.model.family)
+        assert cfg.model.modalities == [m for m in spec.modalities if m in MODALITY_OPTIONS], file.name
+        if file.stem.startswith("tiny_"):
+            assert cfg.model.tiny is not None and cfg.model.path is None
+        else:
+            assert spec.examples and cfg.model.dtype == "bfloat16"
+    tiny_families = {_compose([f"model={f.stem}"]).model.family for f in (CONF / "model").glob("tiny_*.yaml")}
+    assert tiny_families == set(FAMILIES)
+
+
+@pytest.mark.parametrize(
+    ("model", "modality", "ok"),
+    [
+        ("tiny_qwen3", "text", True),
+        ("tiny_qwen3", "vision", False),
+        ("tiny_qwen3_moe", "audio", False),
+        ("tiny_qwen3_vl", "vision", True),
+        ("tiny_qwen3_vl", "audio", False),
+        ("tiny_qwen3_vl_moe", "omni", False),
+        ("tiny_qwen3_omni", "audio", True),
+        ("tiny_qwen3_omni", "omni", True),
+        ("qwen3_vl_30b_a3b", "vision", True),
+    ],
+)
+def test_validation_checks_modality_against_family(model: str, modality: str, ok: bool) -> None:
+    cfg = _compose([f"model={model}", f"modality={modality}", "model.path=/any"])
+    if ok:
+        validate(cfg)
+    else:
+        with pytest.raises(RelaxUserError, match=f"modality={modality} does not fit model={model}"):
+            validate(cfg)
+
+
+def test_async_mode_is_refused_for_media_until_its_bus_carries_them() -> None:
+    cfg = _compose(["experiment=vision_colors_tiny_vl", "mode=async"])
+    with pytest.raises(RelaxUserError, match="mode=async does not carry multimodal inputs"):
+        validate(cfg)
+
+
+def test_launcher_refuses_a_modality_the_family_cannot_take(tmp_path: Path) -> None:
+    result = _launch(["model=tiny_qwen3_vl", "modality=audio", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert result.returncode == 2
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert lines == [
+        "error: modality=audio does not fit model=tiny_qwen3_vl: model family qwen3_vl takes "
+        "['text', 'vision', 'image', 'video']; choose one of those or a model family that takes audio"
+    ]
+    assert "Ray up" not in result.stdout + result.stderr
+    assert not (tmp_path / "model_init").exists()  # refused before anything was built
+
+
+RECIPES = {
+    "dapo_math_qwen3_4b": {
+        "model.family": "qwen3",
+        "modality.name": "text",
+        "algorithm.name": "dapo",
+        "trainer.backend": "megatron",
+        "rollout.batch_size": 32,
+        "rollout.n_samples_per_prompt": 16,
+        "rollout.max_new_tokens": 8192,
+        "cluster.name": "local",
+        "cluster.num_gpus": 8,
+    },
+    "openr1_qwen3_vl_4b": {
+        "model.family": "qwen3_vl",
+        "modality.name": "vision",
+        "reward.name": "openr1mm",
+        "rollout.batch_size": 32,
+        "rollout.n_samples_per_prompt": 8,
+        "cluster.num_gpus": 8,
+    },
+    "avqa_qwen3_omni_30b": {
+        "model.family": "qwen3_omni",
+        "modality.name": "omni",
+        "reward.name": "multiple_choice",
+        "cluster.name": "slurm",
+        "cluster.nodes": 2,
+        "cluster.gpus_per_node": 8,
+        "rollout.num_engines": 15,
+    },
+}
+
+
+def _gpus(cfg: RelaxConfig) -> float:
+    """GPUs the colocated placement group asks for: engines plus actor ranks (see the controller)."""
+    from relax_models.megatron.launch import actor_world_size
+
+    return (
+        cfg.rollout.num_engines * cfg.rollout.num_gpus + actor_world_size(cfg.trainer) * cfg.trainer.num_gpus
+    )
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recipes_compose_fill_their_gpus_and_require_model_path(recipe: str) -> None:
+    cfg = _compose([f"experiment={recipe}"])
+    for key, expected in RECIPES[recipe].items():
+        group, field = key.split(".")
+        assert getattr(getattr(cfg, group), field) == expected, key
+    total = (
+        cfg.cluster.num_gpus if cfg.cluster.name == "local" else cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    )
+    assert _gpus(cfg) == total  # engines and actor ranks fill the GPUs exactly
+    with pytest.raises(RelaxUserError, match="set model.path="):
+        validate(cfg)
+    with pytest.raises(RelaxUserError, match="data.train_path is required"):
+        validate(_compose([f"experiment={recipe}", "model.path=/data/model"]))
+    validate(_compose([f"experiment={recipe}", "model.path=/data/model", "data.train_path=/data/t.jsonl"]))
+
+
+def test_recipe_prints_with_cfg_job(tmp_path: Path) -> None:
+    result = _launch(["experiment=avqa_qwen3_omni_30b", "--cfg", "job"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    printed = OmegaConf.create(result.stdout)
+    assert printed.model.name == "qwen3_omni_30b_a3b" and printed.cluster.nodes == 2
+    assert dict(printed.modality["keys"]) == {"image": None, "video": "videos", "audio": "audios"}
+
+
+def _run_experiment(experiment: str, tmp_path: Path) -> dict:
+    result = _launch(
+        [f"experiment={experiment}", f"hydra.run.dir={tmp_path}", "cluster.num_cpus=4"], tmp_path, 900
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    return summary
+
+
+@pytest.mark.slow
+def test_vision_experiment_learns_to_see_colours(tmp_path: Path) -> None:
+    summary = _run_experiment("vision_colors_tiny_vl", tmp_path)
+    assert summary["reward_gain"] > 0.2, summary
+    # greedy accuracy is well above the 0.25 of a policy that ignores the image
+    assert summary["eval_accuracy_final"] >= 0.6, summary
+    assert (tmp_path / "data" / "media").is_dir() and (
+        tmp_path / "model_init" / "processor_config.json"
+    ).is_file()
+
+
+@pytest.mark.slow
+def test_audio_experiment_learns_to_hear_tones(tmp_path: Path) -> None:
+    summary = _run_experiment("audio_tones_tiny_omni", tmp_path)
+    assert summary["reward_gain"] > 0.2, summary
+    assert summary["eval_accuracy_final"] >= 0.6, summary
+    assert sorted(p.suffix for p in (tmp_path / "data" / "media").iterdir())[0] == ".wav"

@@ -1,0 +1,68 @@
+"""Helpers for the resilience tests (imported by name: pytest puts this folder on sys.path): tiny runs composed from the real ``conf/`` tree, and fault injection."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+import relax_launch.cli  # noqa: F401  (registers the structured-config schema with Hydra)
+
+# A run small enough for a loaded 2-core machine: 2 warm-start steps, 4 prompts x 4 samples per RL step.
+TINY_RUN = [
+    "trainer.sft_warmup_steps=2",
+    "trainer.sft_batch_size=16",
+    "rollout.batch_size=4",
+    "rollout.n_samples_per_prompt=4",
+    "data.num_train=64",
+    "data.num_eval=8",
+    "trainer.eval_every=0",
+    "logger=jsonl",
+    "cluster.num_cpus=4",
+    "rollout.num_threads=1",
+    "trainer.num_threads=1",
+]
+
+
+def compose(overrides: list[str], output_dir: Path) -> DictConfig:
+    """The DictConfig ``python -m relax_launch <overrides>`` would run with, writing to ``output_dir``."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    with initialize_config_module("relax_launch.conf", version_base="1.3"):
+        cfg = hydra_compose("config", overrides=overrides)
+    cfg.output_dir = str(output_dir)
+    return cfg
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written right now
+    return out
+
+
+def wait_for_step(run_dir: Path, step: int, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(r.get("step", -1) >= step for r in read_metrics(run_dir)):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"step {step} not reached in {run_dir} after {timeout_s:.0f}s")
+
+
+def actor_pid(name: str) -> int:
+    """PID of the live Ray actor ``name`` (a role replica such as ``rollout-0``), from inside that actor."""
+    import ray
+
+    handle = ray.get_actor(name)
+    return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=60)

@@ -1,0 +1,141 @@
+"""End-to-end runs with real Ray actors: export, notifications, checkpoints, kill -9 of role processes.
+
+The kills are real SIGKILLs of the role actors' processes while the run is going; the HealthManager must
+restart the rollout engine in place and restart everything from the last checkpoint when the Actor dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from resilience_helpers import TINY_RUN, actor_pid, compose, read_metrics, wait_for_step
+
+from relax_launch.run import run_experiment
+
+pytestmark = pytest.mark.slow
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir)]
+
+
+def test_run_exports_a_loadable_hf_model_checkpoints_and_notifies(tmp_path: Path) -> None:
+    notify = tmp_path / "notify.jsonl"
+    run_dir = tmp_path / "run"
+    cfg = compose(
+        [
+            *TINY_RUN,
+            "trainer.total_steps=4",
+            "trainer.save_every=2",
+            f"logger.notify_urls=[relaxfile://{notify}]",
+        ],
+        run_dir,
+    )
+    summary = run_experiment(cfg)
+
+    assert summary["status"] == "finished" and summary["steps"] == 4
+    assert _steps(run_dir) == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final_model")
+    assert any(p.name.endswith(".safetensors") for p in (run_dir / "final_model").iterdir())
+    ids = tokenizer("123", return_tensors="pt").input_ids
+    assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size
+    # the exported weights are the trained ones, not the initial ones
+    ckpt = torch.load(run_dir / "checkpoints/step_000004/actor/backend.pt", weights_only=False)["model"]
+    exported = model.state_dict()
+    for name, tensor in ckpt.items():
+        assert torch.equal(exported[name], tensor), name
+
+    kinds = [json.loads(line)["type"] for line in notify.read_text().splitlines()]
+    assert kinds == ["info", "success"]
+
+
+def _kill_when(run_dir: Path, step: int, role: str, log: list) -> threading.Thread:
+    def target() -> None:
+        wait_for_step(run_dir, step)
+        pid = actor_pid(role)
+        os.kill(pid, signal.SIGKILL)
+        log.append((role, pid, max(_steps(run_dir))))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_killed_rollout_restarts_in_place_and_killed_actor_resumes_from_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    notify = tmp_path / "notify.jsonl"
+    cfg = compose(
+        [
+            *TINY_RUN,
+            "trainer.total_steps=7",
+            "trainer.save_every=2",
+            "trainer.heartbeat_interval_s=1",
+            f"logger.notify_urls=[relaxfile://{notify}]",
+        ],
+        run_dir,
+    )
+    kills: list = []
+    first = _kill_when(run_dir, 2, "rollout-0", kills)
+
+    def then_actor() -> None:
+        first.join()
+        _kill_when(run_dir, 5, "actor-0", kills).join()
+
+    second = threading.Thread(target=then_actor, daemon=True)
+    second.start()
+    summary = run_experiment(cfg)
+    second.join(timeout=5)
+
+    assert [k[0] for k in kills] == ["rollout-0", "actor-0"], kills
+    assert summary["status"] == "finished"
+    # every step exactly once, in order, although steps after the checkpoint ran twice
+    assert _steps(run_dir) == list(range(0, 8))
+    records = read_metrics(run_dir)
+    last = records[-1]
+    assert last["health/role_restarts"] >= 1  # the rollout engine, restarted in place
+    assert last["health/global_restarts"] == 1  # the Actor: everything restarted from a checkpoint
+    # the step during which the rollout died was retried, not skipped
+    assert max(r.get("health/step_retries", 0) for r in records) >= 1
+    assert summary["health_global_restarts"] == 1
+    assert (run_dir / "final_model" / "config.json").is_file()
+
+
+def test_run_gives_up_after_max_global_restarts_with_a_report(tmp_path: Path) -> None:
+    from relax_core.health import RunFailedError
+
+    run_dir = tmp_path / "run"
+    notify = tmp_path / "notify.jsonl"
+    cfg = compose(
+        [
+            *TINY_RUN,
+            "trainer.sft_warmup_steps=0",
+            "trainer.total_steps=50",
+            "trainer.save_every=0",
+            "cluster.max_global_restarts=0",
+            f"logger.notify_urls=[relaxfile://{notify}]",
+        ],
+        run_dir,
+    )
+    kills: list = []
+    _kill_when(run_dir, 1, "actor-0", kills)
+    with pytest.raises(RunFailedError, match="actor-0"):
+        run_experiment(cfg)
+
+    report = json.loads((run_dir / "failure_report.json").read_text())
+    kinds = [(e["kind"], e["role"]) for e in report["events"]]
+    assert ("dead", "actor") in kinds and ("give_up", "run") in kinds
+    assert max(_steps(run_dir)) < 50
+    records = [json.loads(line) for line in notify.read_text().splitlines()]
+    assert [r["type"] for r in records] == ["info", "failure"]
+    assert "actor-0" in records[-1]["body"]
