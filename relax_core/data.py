@@ -141,6 +141,31 @@ def render_prompt(prompt: Any, tokenizer, cfg) -> str:
     return "\n".join(str(m["content"]) for m in messages)
 
 
+MEDIA_MARKERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
+
+
+def with_media_markers(prompt: Any, items: dict[str, list]) -> Any:
+    """``prompt`` with a marker per media item in front of the first user turn, when it has no markers.
+
+    Datasets such as Open-R1 multimodal or AVQA keep media in their own columns and never mark where they
+    go; the convention then is media first, then the question.
+    """
+    if not any(items.values()):
+        return prompt
+    text = prompt if isinstance(prompt, str) else " ".join(str(m.get("content", "")) for m in prompt)
+    if any(marker in text for marker in MEDIA_MARKERS.values()) or "_pad|>" in text:
+        return prompt
+    prefix = "".join(
+        MEDIA_MARKERS[kind] * len(values) for kind, values in items.items() if kind in MEDIA_MARKERS
+    )
+    if isinstance(prompt, str):
+        return prefix + prompt
+    messages = [dict(m) for m in prompt]
+    first_user = next((m for m in messages if m.get("role") == "user"), messages[0])
+    first_user["content"] = prefix + str(first_user["content"])
+    return messages
+
+
 def load_prompts(path: str, cfg, tokenizer, media=None) -> tuple[list[PromptRecord], int]:
     """Tokenized prompt records of a file and the number of rows skipped (``data.on_error=skip``).
 
@@ -153,6 +178,12 @@ def load_prompts(path: str, cfg, tokenizer, media=None) -> tuple[list[PromptReco
             prompt = get_field(row, cfg.prompt_key)
             if prompt is None:  # JSON rows lacking a column that others have come back as null
                 raise KeyError(cfg.prompt_key)
+            row_items = None
+            if media is not None:
+                from relax_core.multimodal import row_media
+
+                row_items = row_media(row, media.modality_cfg, Path(path).expanduser().parent) or None
+                prompt = with_media_markers(prompt, row_items or {})
             text = render_prompt(prompt, tokenizer, cfg)
             label = get_field(row, cfg.label_key) if cfg.label_key else None
             metadata = {}
@@ -160,11 +191,7 @@ def load_prompts(path: str, cfg, tokenizer, media=None) -> tuple[list[PromptReco
                 metadata = get_field(row, cfg.metadata_key)
                 if not isinstance(metadata, dict):
                     raise ValueError(f"column {cfg.metadata_key!r} must hold an object")
-            row_items = None
             if media is not None:
-                from relax_core.multimodal import row_media
-
-                row_items = row_media(row, media.modality_cfg, Path(path).expanduser().parent) or None
                 prompt_ids = media.encode(text, row_items or {})[0]
             else:
                 prompt_ids = tokenizer(text, add_special_tokens=False).input_ids

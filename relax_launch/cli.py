@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from relax_core.config import RelaxConfig
 from relax_core.errors import RelaxUserError
+from relax_core.health import RunFailedError
 
 CONFIG_MODULE = "relax_launch.conf"
 ConfigStore.instance().store(name="relax_schema", node=RelaxConfig)
@@ -35,6 +36,9 @@ def _hydra_main(cfg: DictConfig) -> None:
         log.error("error: %s", err)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except RunFailedError as err:  # restarts exhausted; the full report is in <run dir>/failure_report.json
+        print(f"error: run failed: {str(err).splitlines()[0]}", file=sys.stderr)
+        sys.exit(1)
 
 
 def unknown_keys(node: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:

@@ -45,3 +45,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from relax_models.tiny import build_tiny_qwen3
 
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=7, **TINY_DIMS)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ray_down_after_module():
+    """Each test module starts from no Ray: a module that leaves one running must not break the next."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

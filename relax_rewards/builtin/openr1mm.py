@@ -33,7 +33,8 @@ def openr1mm_reward(
     accuracy is math equivalence with a normalised string comparison as fallback, so both numbers
     and free-text answers (e.g. "a red car") work.
     """
-    golds = gold_list(label, "openr1mm")
+    # Open-R1 style solutions wrap the reference itself in <answer>...</answer>
+    golds = [(tag_contents(g, "answer") or [g])[-1].strip() for g in gold_list(label, "openr1mm")]
     tags = tag_contents(response, "answer")
     if tags:
         answer = tags[-1]

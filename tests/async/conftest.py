@@ -1,4 +1,4 @@
-"""Fixtures of the async-mode tests: one local Ray cluster for the session (shut down after it)."""
+"""Fixtures of the async-mode tests: one local Ray cluster per test module (shut down after it)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """A fresh local Ray with 6 logical CPUs (TransferQueue reserves 2 of them; the actors are light)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
