@@ -41,6 +41,15 @@ def ratio_metrics(
     }
 
 
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ℓ = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)) and the fraction of tokens where the clip binds."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    return torch.maximum(unclipped, clipped), {"clip_frac": masked_mean((clipped > unclipped).float(), mask)}
+
+
 @POLICY_LOSSES.register("ppo_clip")
 def ppo_clip_loss(
     logprob: torch.Tensor,
@@ -55,10 +64,7 @@ def ppo_clip_loss(
     for A < 0 with dual clip c > 1:  ℓ = min(ℓ, −A·c)  (bounds the loss when r ≫ 1).
     """
     ratio, log_ratio = importance_ratio(logprob, old_logprob, _clamp_of(cfg))
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    metrics = {"clip_frac": masked_mean((clipped > unclipped).float(), mask)}
+    loss, metrics = clipped_surrogate(ratio, advantages, mask, cfg)
     if cfg.clip_c is not None:
         if cfg.clip_c <= 1.0:
             raise ValueError(f"dual-clip constant clip_c must be > 1, got {cfg.clip_c}")
@@ -90,10 +96,7 @@ def gspo_loss(
     seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprob - logprob.detach()
     ratio = token_log_ratio.clamp(-clamp, clamp).exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    metrics = {"clip_frac": masked_mean((clipped > unclipped).float(), mask)}
+    loss, metrics = clipped_surrogate(ratio, advantages, mask, cfg)
     metrics.update(ratio_metrics(ratio, log_ratio, mask))
     return loss, metrics
 
