@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 import ray
@@ -75,8 +76,12 @@ def test_role_group_replicas_calls_and_restart(pg) -> None:
         assert ray.get(ray.get_actor("counter-1-r1").add.remote(0)) == 10
     finally:
         group.kill()
+    # ray.kill is asynchronous: a call racing it may still be served, but the actor must die shortly
+    deadline = time.monotonic() + 60
     with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(group.actors[0].add.remote(1), timeout=60)
+        while time.monotonic() < deadline:
+            ray.get(group.actors[0].add.remote(1), timeout=60)
+            time.sleep(0.2)
 
 
 def test_role_group_without_replica_argument_and_bundle_pinning(pg) -> None:
