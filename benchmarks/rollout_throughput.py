@@ -15,6 +15,7 @@ fraction is slightly understated. Run: ``python benchmarks/rollout_throughput.py
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import tempfile
@@ -23,22 +24,16 @@ from pathlib import Path
 
 import torch
 
+from relax_core.config import TinyModelSpec
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.torch_engine import TorchEngine
 from relax_models.loader import load_causal_lm, load_tokenizer
 from relax_models.tiny import build_tiny_qwen3
 
 SIZES = {
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    ),
+    "tiny": {
+        k: v for k, v in dataclasses.asdict(TinyModelSpec()).items() if v is not None
+    },  # conf/model/tiny_qwen3.yaml
     "25m": dict(
         hidden_size=512,
         intermediate_size=1536,

@@ -5,11 +5,14 @@ Area-specific fixtures live in ``tests/<area>/conftest.py``; keep this file smal
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from relax_core.config import TinyModelSpec
 
 # offline and quiet in this process and every subprocess / Ray worker it starts
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -20,17 +23,8 @@ os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 # the shared 2-core machine: one intra-op thread keeps tests from fighting each other
 torch.set_num_threads(1)
 
-# the dimensions of conf/model/tiny_qwen3.yaml
-TINY_DIMS = dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=256,
-    tie_word_embeddings=True,
-)
+# the dimensions of conf/model/tiny_qwen3.yaml (the schema defaults)
+TINY_DIMS = {k: v for k, v in dataclasses.asdict(TinyModelSpec()).items() if v is not None}
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -203,18 +202,6 @@ class TorchEngine(RolloutEngine):
             self.model.load_state_dict(state_dict, strict=False)
             self._fused = None
             self.weight_version = version
-
-    def update_weights_from_disk(self, path: str, version: int) -> None:
-        """Load every ``*.safetensors`` of an HF folder (what ``/update_weights_from_disk`` points at)."""
-        from safetensors.torch import load_file
-
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        self.update_weights(state, version)
 
     def pause(self) -> None:
         self._paused.set()
