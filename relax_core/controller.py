@@ -6,6 +6,7 @@ log-probs, when a KL term is on) -> Advantages -> Actor (optimizer step) -> weig
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -320,19 +321,19 @@ class Controller:
                         metrics = next(async_steps)[1] | self.health.metrics()
                     else:
                         metrics = self.health.run_step(step, self.train_step)
-                except GlobalRestartNeeded as why:
+                    if (
+                        t.eval_every
+                        and (step % t.eval_every == 0 or step == t.total_steps)
+                        and "eval/accuracy" not in metrics
+                    ):
+                        metrics |= self.health.guarded(self.evaluate)
+                    self.sink.log(step, metrics)
+                    log.info(format_step_line(step, t.total_steps, metrics))
+                    if self.checkpoints.due(step, t.total_steps) or STOP_REQUEST.is_set():
+                        self.health.guarded(functools.partial(save_run, self, self.checkpoints, step, evals))
+                except GlobalRestartNeeded as why:  # a dead Actor: everything restarts from a checkpoint
                     step = self.health.global_restart(str(why)) + 1
                     continue
-                if (
-                    t.eval_every
-                    and (step % t.eval_every == 0 or step == t.total_steps)
-                    and "eval/accuracy" not in metrics
-                ):
-                    metrics |= self.evaluate()
-                self.sink.log(step, metrics)
-                log.info(format_step_line(step, t.total_steps, metrics))
-                if self.checkpoints.due(step, t.total_steps) or STOP_REQUEST.is_set():
-                    save_run(self, self.checkpoints, step, evals)
                 if STOP_REQUEST.is_set() and step < t.total_steps:  # preempted: saved, the job requeues
                     summary = {"status": "preempted", "steps": step, "output_dir": cfg.output_dir}
                     return summary

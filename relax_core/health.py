@@ -172,6 +172,20 @@ class HealthManager:
                 self.c.stream.load_state_dict(stream_state)  # the same prompts again: no step lost
                 self.counters.step_retries += 1
 
+    def guarded(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (an eval or a checkpoint save between steps) with the recovery of a step: a dead engine is
+        replaced in place and ``fn`` retried; a dead Actor raises :class:`GlobalRestartNeeded`."""
+        while True:
+            try:
+                return fn()
+            except ACTOR_FAILURES as err:
+                log.warning(
+                    "after step %d: a role actor failed (%s); recovering",
+                    self.current_step,
+                    type(err).__name__,
+                )
+                self.recover_in_place(self.current_step + 1)
+
     def push_weights(self, version: int) -> None:
         """The controller's weight sync, with dead rollout engines replaced and synced in place."""
         for _ in range(self.max_role_restarts + 1):

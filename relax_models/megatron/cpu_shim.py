@@ -90,13 +90,15 @@ def init_process_group(
         return
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if world_size == 1 and port is None:
+        # a lone process meets only itself: an inherited MASTER_PORT (a Ray worker started from a process
+        # that ran a group earlier) may still be held by that group, so always take a fresh local port
+        os.environ["MASTER_ADDR"], port = "127.0.0.1", free_port()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
     elif "MASTER_PORT" not in os.environ:
-        if world_size > 1:
-            raise RuntimeError("MASTER_PORT must be set (or port given) when world_size > 1")
-        os.environ["MASTER_PORT"] = str(free_port())
+        raise RuntimeError("MASTER_PORT must be set (or port given) when world_size > 1")
     backend = "nccl" if cuda_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
