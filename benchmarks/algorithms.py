@@ -36,7 +36,12 @@ ENV = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def run_one(name: str, seed: int, steps: int, out_root: Path, extra: list[str]) -> dict:
+    """One run, or its stored result when ``<out>/<name>-s<seed>/result.json`` exists (a re-run of the
+    script finishes an interrupted sweep instead of starting over)."""
     out = out_root / f"{name}-s{seed}"
+    done = out / "result.json"
+    if done.is_file():
+        return json.loads(done.read_text())
     cmd = [
         sys.executable,
         "-m",
@@ -62,7 +67,7 @@ def run_one(name: str, seed: int, steps: int, out_root: Path, extra: list[str]) 
     curve = [r.get(key, r["reward/mean"]) for r in rl]
     tenth = max(1, len(curve) // 10)
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
-    return {
+    result = {
         "algorithm": name,
         "seed": seed,
         "steps": len(rl),
@@ -73,6 +78,8 @@ def run_one(name: str, seed: int, steps: int, out_root: Path, extra: list[str]) 
         "rl_s": round(sum(r["step_time_s"] for r in rl), 1),
         "curve": curve,
     }
+    done.write_text(json.dumps(result))
+    return result
 
 
 def plot(results: list[dict], path: Path) -> None:

@@ -16,8 +16,11 @@ subprocess and is read back from its ``metrics.jsonl``. One JSON line per mode:
 Then one JSON line per bus implementation: start-up seconds and put/get throughput (samples/s) for rows
 shaped like a default step (prompt ~12 tokens, response ≤ 8 tokens, rewards, log-probs).
 
-Budget: colocate gives each phase both cores (``num_threads=2``); async gives the Rollout and the Actor one
-core each (``num_threads=1``) because they run at the same time. Numbers depend on machine load.
+Budget: colocate gives each phase both cores (``num_threads=2``, ``--colocate-threads``); async gives the
+Rollout and the Actor one core each (``num_threads=1``) because they run at the same time: with two threads
+each on two cores, OpenMP threads spin on descheduled peers (at load 5-8 one 128-sample train step took
+1.8-3.8 s with 2 threads against 0.26-0.30 s with 1). Async rollout is unchunked by default (``--chunk``):
+the Actor's micro-batch is the whole step, so chunks only add engine calls. Numbers depend on machine load.
 """
 
 from __future__ import annotations
@@ -148,7 +151,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--staleness", default="1,2", help="comma-separated max_staleness values for async")
-    ap.add_argument("--chunk", type=int, default=4, help="mode.rollout_chunk_prompts for async")
+    ap.add_argument("--chunk", type=int, default=0, help="mode.rollout_chunk_prompts for async")
+    ap.add_argument("--colocate-threads", type=int, default=2, help="torch threads of colocate's roles")
     ap.add_argument("--bus-rows", type=int, default=128)
     ap.add_argument("--bus-repeats", type=int, default=5)
     ap.add_argument("--skip-runs", action="store_true")
@@ -158,7 +162,11 @@ def main() -> None:
     cpus = ["cluster.num_cpus=4"]
     results = []
     if not args.skip_runs:
-        colocate = run_mode("colocate", ["mode=colocate", *cpus], args.steps, args.seed, out_root)
+        threads = [
+            f"rollout.num_threads={args.colocate_threads}",
+            f"trainer.num_threads={args.colocate_threads}",
+        ]
+        colocate = run_mode("colocate", ["mode=colocate", *threads, *cpus], args.steps, args.seed, out_root)
         print(json.dumps(colocate), flush=True)
         results.append(colocate)
         for s in [int(x) for x in args.staleness.split(",") if x]:

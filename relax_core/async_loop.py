@@ -3,10 +3,14 @@ through WeightSync, and a small scheduler in the driver decides what may start w
 
 Pipeline of one step N (partition ``train_N`` on the bus)::
 
-    Rollout ── tokens, masks, rollout log-probs, rewards (whole prompt groups, as each chunk finishes)
-      ├─► Advantages ── advantages      (group-local estimators: per group as it lands; others: per step)
-      ├─► Reference  ── ref log-probs   (when algorithm.kl_loss_coef > 0)
+    Rollout ── tokens, masks, rollout log-probs, rewards (whole prompt groups, as each chunk finishes;
+      │          DAPO: shaped rewards, only groups with reward spread, more rounds until the step is full)
+      ├─► Critic     ── values          (PPO; then it trains its value loss on the whole step)
+      ├─► Teacher    ── teacher log-probs (on-policy distillation)
+      ├─► Reference  ── ref log-probs   (when algorithm.kl_loss_coef or kl_reward_coef > 0)
       ├─► ActorFwd   ── old log-probs   (only when a rollout batch is split into several optimizer steps)
+      ├─► Advantages ── advantages      (group-local estimators: per group as it lands; others: per step;
+      │                                  after the values / teacher / ref log-probs they use)
       └─► Actor: streams micro-batches as soon as their fields are ready; optimizer step; weights v=N
                  are broadcast to rollout engines / ActorFwd (/ Reference) while it trains step N+1.
 
@@ -30,6 +34,13 @@ import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from relax_core.algorithm_roles import (
+    FROZEN_ACTOR_METRICS,
+    critic_warming_up,
+    dynamic_sampling_metrics,
+    shape_rewards,
+    with_spread,
+)
 from relax_core.algorithms.masked import masked_mean
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective
 from relax_core.controller import reward_metrics, split_evenly
@@ -40,8 +51,10 @@ from relax_core.errors import RelaxUserError
 from relax_core.ray_groups import RoleGroup
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
+from relax_core.roles.critic import Critic
 from relax_core.roles.reference import Reference
 from relax_core.roles.rollout import Rollout
+from relax_core.roles.teacher import Teacher
 from relax_core.samples import Sample
 from relax_core.weight_sync import SyncSpec, WeightSyncGroup, free_port, layout_of
 
@@ -50,6 +63,28 @@ log = logging.getLogger("relax")
 # estimators whose advantage of a sample depends only on its own prompt group
 GROUP_LOCAL_ESTIMATORS = {"grpo", "rloo"}
 BUS_CPUS = 0.1
+# roles that add fields to a step's rows between Rollout and Actor, in launch order
+HELPER_STAGES = ("critic", "teacher", "reference", "actor_fwd", "advantages")
+
+
+def uses_actor_fwd(cfg) -> bool:
+    """Several optimizer steps per rollout batch: the behaviour policy's log-probs come from ActorFwd.
+    (One rollout batch == one optimizer batch: old log-probs = detached current, no ActorFwd.)"""
+    r, t, a = cfg.rollout, cfg.trainer, cfg.algorithm
+    step_samples = r.batch_size * r.n_samples_per_prompt
+    return a.ppo_epochs > 1 or (t.global_batch_size or step_samples) < step_samples
+
+
+def advantage_inputs(cfg) -> list[str]:
+    """Per-token fields the Advantages role waits for besides the Rollout's: values (GAE), teacher
+    log-probs (distillation), ref log-probs (reward-side KL) and, for the last two, the behaviour log-probs."""
+    a = cfg.algorithm
+    fields = ["values"] if a.critic is not None else []
+    fields += ["teacher_logprobs"] if a.teacher is not None else []
+    fields += ["ref_logprobs"] if a.kl_reward_coef > 0 else []
+    if uses_actor_fwd(cfg) and (a.teacher is not None or a.kl_reward_coef > 0):
+        fields.append("old_logprobs")
+    return fields
 
 
 class StalenessGate:
@@ -188,28 +223,67 @@ class BusRollout(_WeightFollower, Rollout):
         self.bus = bus
         self.engine = ResumableEngine(self.engine, cfg.mode.partial_rollout)
 
-    def produce(self, step: int, prompts: list, first_prompt: int) -> dict[str, Any]:
-        """Generate and score ``prompts`` (step positions from ``first_prompt``), writing whole groups."""
-        n = self.cfg.rollout.n_samples_per_prompt
-        chunk = self.cfg.mode.rollout_chunk_prompts or len(prompts)
+    def produce(self, step: int, prompts: list, slots: list[int], last_round: bool = True) -> dict[str, Any]:
+        """Generate and score ``prompts`` chunk by chunk, writing whole prompt groups into the step's group
+        ``slots`` (slot g holds positions g·n … g·n+n−1) as each chunk finishes.
+
+        Dynamic sampling writes only groups with reward spread and stops once its slots are full; in the
+        last round the slots still free get zero-spread groups with a zeroed loss mask, so the step keeps
+        its size and the Actor's stream its shape, but those groups add nothing to the loss.
+        """
+        r, a = self.cfg.rollout, self.cfg.algorithm
+        n, chunk = r.n_samples_per_prompt, self.cfg.mode.rollout_chunk_prompts or len(prompts)
         out: dict[str, Any] = {"rewards": [], "extras": [], "lens": [], "versions": [], "put_s": 0.0}
+        out |= {"filled": [], "kept_groups": 0, "generated_groups": 0, "generated_rewards": []}
+        free, spare = list(slots), []
         t0 = time.perf_counter()
         for c in range(0, len(prompts), chunk):
-            samples = self.generate(prompts[c : c + chunk])
-            keys, fields = sample_rows(samples, (first_prompt + c) * n)
-            t = time.perf_counter()
-            self.bus.put(partition_name(step), keys, fields)
-            out["put_s"] += time.perf_counter() - t
-            out["rewards"] += [s.reward for s in samples]
-            out["extras"] += [s.reward_extras for s in samples]
-            out["lens"] += [len(s.response_ids) for s in samples]
-            out["versions"] += [s.policy_version for s in samples]
+            if not free:
+                break
+            samples = shape_rewards(self.generate(prompts[c : c + chunk]), a, r.max_new_tokens)
+            out["generated_groups"] += len(samples) // n
+            out["generated_rewards"] += [s.reward for s in samples]
+            kept = with_spread(samples) if a.dynamic_sampling else samples
+            kept_ids = {id(s) for s in kept}
+            spare += [s for s in samples if id(s) not in kept_ids]
+            groups = prompt_groups(kept, n)[: len(free)]
+            out["kept_groups"] += len(groups)
+            free = self._write(step, groups, free, out)
+        if last_round and free:
+            filler = [
+                [replace(s, loss_mask=[0] * len(s.loss_mask)) for s in g] for g in prompt_groups(spare, n)
+            ]
+            free = self._write(step, filler[: len(free)], free, out)
         out["wall_s"] = time.perf_counter() - t0
         out["resumed"] = self.engine.resumed
         return out
 
+    def _write(
+        self, step: int, groups: list[list[Sample]], free: list[int], out: dict[str, Any]
+    ) -> list[int]:
+        """Put ``groups`` into the first free slots (one bus call); returns the slots still free."""
+        if not groups:
+            return free
+        n = self.cfg.rollout.n_samples_per_prompt
+        used, samples = free[: len(groups)], [s for g in groups for s in g]
+        _, fields = sample_rows(samples, 0)
+        t = time.perf_counter()
+        self.bus.put(partition_name(step), [sample_key(g * n + j) for g in used for j in range(n)], fields)
+        out["put_s"] += time.perf_counter() - t
+        out["filled"] += used
+        out["rewards"] += [s.reward for s in samples]
+        out["extras"] += [s.reward_extras for s in samples]
+        out["lens"] += [len(s.response_ids) for s in samples]
+        out["versions"] += [s.policy_version for s in samples]
+        return free[len(groups) :]
+
     def apply_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self.engine.swap(state_dict, version)
+
+
+def prompt_groups(samples: list[Sample], group_size: int) -> list[list[Sample]]:
+    """Consecutive prompt groups of a rollout's samples (the n samples of a prompt are adjacent)."""
+    return [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
 
 
 def complete_groups(keys: list[str], group_size: int) -> list[str]:
@@ -255,18 +329,31 @@ def _stream_stage(
 class BusAdvantages(Advantages):
     def __init__(self, cfg, bus: DataBus, pad_token_id: int) -> None:
         super().__init__(cfg)
+        torch.set_num_threads(1)  # tiny tensor ops; a thread pool per core would only contend with the roles
         self.cfg_all, self.bus, self.pad = cfg, bus, pad_token_id
         self.group_local = cfg.algorithm.advantage_estimator in GROUP_LOCAL_ESTIMATORS
 
-    def process(self, step: int, total: int) -> float:
+    def process(self, step: int, total: int) -> dict[str, float]:
+        inputs = advantage_inputs(self.cfg_all)
+
         def fn(keys, rows):
-            batch = batch_from_rows(rows, self.pad)
+            batch = batch_from_rows(rows, self.pad, inputs)
             return {"advantages": per_sample(self.compute(batch), batch)}
 
         n = self.cfg_all.rollout.n_samples_per_prompt
-        return _stream_stage(
-            self.bus, step, total, SAMPLE_FIELDS, "advantages", total, fn, not self.group_local, n
-        )
+        need = SAMPLE_FIELDS + inputs
+        waited = _stream_stage(self.bus, step, total, need, "advantages", total, fn, not self.group_local, n)
+        return {"time/advantages_wait_s": waited}
+
+
+def _score_stage(role, step: int, total: int, task: str, field: str, chunk: int, score) -> dict[str, float]:
+    """Stream step ``step``'s rows through ``score(batch) -> [B, R]`` into the per-token ``field``."""
+
+    def fn(keys, rows):
+        batch = batch_from_rows(rows, role.pad)
+        return {field: per_sample(score(batch), batch)}
+
+    return {f"time/{task}_wait_s": _stream_stage(role.bus, step, total, SAMPLE_FIELDS, task, chunk, fn)}
 
 
 class BusReference(_WeightFollower, Reference):
@@ -274,12 +361,10 @@ class BusReference(_WeightFollower, Reference):
         super().__init__(cfg, model_path)
         self.bus, self.pad, self.chunk = bus, pad_token_id, cfg.trainer.micro_batch_size
 
-    def process(self, step: int, total: int) -> float:
-        def fn(keys, rows):
-            batch = batch_from_rows(rows, self.pad)
-            return {"ref_logprobs": per_sample(self.compute_ref_log_probs(batch), batch)}
-
-        return _stream_stage(self.bus, step, total, SAMPLE_FIELDS, "reference", self.chunk, fn)
+    def process(self, step: int, total: int) -> dict[str, float]:
+        return _score_stage(
+            self, step, total, "reference", "ref_logprobs", self.chunk, self.compute_ref_log_probs
+        )
 
     def apply_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self.update_weights(state_dict)
@@ -293,16 +378,44 @@ class BusActorFwd(_WeightFollower, Actor):
         self.bus, self.pad, self.chunk = bus, pad_token_id, cfg.trainer.micro_batch_size
         self.version = 0
 
-    def process(self, step: int, total: int) -> float:
-        def fn(keys, rows):
-            batch = batch_from_rows(rows, self.pad)
-            return {"old_logprobs": per_sample(self.compute_log_probs(batch), batch)}
-
-        return _stream_stage(self.bus, step, total, SAMPLE_FIELDS, "actor_fwd", self.chunk, fn)
+    def process(self, step: int, total: int) -> dict[str, float]:
+        return _score_stage(
+            self, step, total, "actor_fwd", "old_logprobs", self.chunk, self.compute_log_probs
+        )
 
     def apply_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self.backend.load_state_dict(state_dict)
         self.version = version
+
+
+class BusTeacher(Teacher):
+    """Teacher of on-policy distillation: frozen, writes ``teacher_logprobs`` for every row."""
+
+    def __init__(self, cfg, teacher_path: str, bus: DataBus, pad_token_id: int) -> None:
+        super().__init__(cfg, teacher_path)
+        self.bus, self.pad = bus, pad_token_id
+
+    def process(self, step: int, total: int) -> dict[str, float]:
+        return _score_stage(
+            self, step, total, "teacher", "teacher_logprobs", self.micro_batch_size, self.compute_log_probs
+        )
+
+
+class BusCritic(Critic):
+    """Critic of PPO: writes ``values`` for every row of step N, then fits them on the whole step (the
+    values of step N+1 therefore come from the critic trained on step N, as in colocate)."""
+
+    def __init__(self, cfg, model_path: str, bus: DataBus, pad_token_id: int) -> None:
+        super().__init__(cfg, model_path)
+        self.bus, self.pad = bus, pad_token_id
+
+    def process(self, step: int, total: int) -> dict[str, float]:
+        metrics = _score_stage(
+            self, step, total, "critic", "values", self.cfg.micro_batch_size, self.compute_values
+        )
+        keys = [sample_key(i) for i in range(total)]
+        rows = self.bus.get(partition_name(step), keys, SAMPLE_FIELDS + ["values"])
+        return metrics | self.fit(batch_from_rows(rows, self.pad, ["values"]))
 
 
 class _MicroStream:
@@ -389,6 +502,9 @@ class BusActor(Actor):
     def train_from_bus(self, step: int, total: int, need: list[str], extras: list[str]) -> dict[str, float]:
         """``ppo_epochs`` passes over step ``step``'s rows, one optimizer step per global batch."""
         algo, trainer = self.cfg.algorithm, self.cfg.trainer
+        if critic_warming_up(algo, step):  # PPO: the policy waits for the critic, version ``step`` = step−1
+            self.ws_snapshot(step)
+            return FROZEN_ACTOR_METRICS | {"optimizer_steps": 0.0} | staleness_metrics([], step - 1)
         global_size = trainer.global_batch_size or total
         keys = [sample_key(i) for i in range(total)]
         part = partition_name(step)
@@ -437,13 +553,14 @@ class AsyncLoop:
     def __init__(self, controller) -> None:
         self.c = controller
         cfg = self.cfg = controller.cfg
-        r, t, a = cfg.rollout, cfg.trainer, cfg.algorithm
+        r, a = cfg.rollout, cfg.algorithm
         self.gate = StalenessGate(cfg.mode.max_staleness)
         self.step_samples = r.batch_size * r.n_samples_per_prompt
-        global_size = t.global_batch_size or self.step_samples
-        # one rollout batch == one optimizer batch: old log-probs = detached current, no ActorFwd
-        self.use_fwd = a.ppo_epochs > 1 or global_size < self.step_samples
+        self.use_fwd = uses_actor_fwd(cfg)
         self.use_ref = controller.use_reference
+        self.use_critic, self.use_teacher = a.critic is not None, a.teacher is not None
+        # dynamic sampling: up to max_gen_batches rollout rounds per step until its group slots are full
+        self.max_rounds = a.max_gen_batches if a.dynamic_sampling else 1
         self.ref_every = cfg.mode.ref_update_interval if self.use_ref else 0
         self.pgs: list = []
         self.groups: dict[str, RoleGroup] = {}
@@ -463,7 +580,8 @@ class AsyncLoop:
 
     def _check_resources(self) -> None:
         r, t, m = self.cfg.rollout, self.cfg.trainer, self.cfg.mode
-        need = r.num_cpus * r.num_engines + t.num_cpus + m.aux_num_cpus * (1 + self.use_fwd + self.use_ref)
+        helpers = 1 + self.use_fwd + self.use_ref + self.use_critic + self.use_teacher
+        need = r.num_cpus * r.num_engines + t.num_cpus + m.aux_num_cpus * helpers
         need += BUS_CPUS + (2.0 if m.databus == "transferqueue" else 0.0)
         have = ray.cluster_resources().get("CPU", 0.0)
         if need > have + 1e-9:
@@ -497,8 +615,15 @@ class AsyncLoop:
             self._group(BusActorFwd, "actor_fwd", 1, m.aux_num_cpus, aux_gpu, (cfg, path, self.bus, pad))
         if self.use_ref:
             self._group(BusReference, "reference", 1, m.aux_num_cpus, aux_gpu, (cfg, path, self.bus, pad))
-        # the Controller's shared pieces (warm start, evaluation) talk to these groups
+        if self.use_critic:
+            self._group(BusCritic, "critic", 1, m.aux_num_cpus, aux_gpu, (cfg, path, self.bus, pad))
+        if self.use_teacher:
+            teacher = (cfg, self.c.algo_roles.teacher_path, self.bus, pad)
+            self._group(BusTeacher, "teacher", 1, m.aux_num_cpus, aux_gpu, teacher)
+        # the Controller's shared pieces (warm start, evaluation) talk to these groups; the warm start
+        # loads the Critic's trunk from the policy through AlgorithmRoles, as in colocate
         self.c.rollout, self.c.actor = rollout, actor
+        self.c.algo_roles.critic = self.groups.get("critic")
         self._join_weight_sync()
         log.info(
             "async roles up: %s | databus=%s (%.1f s) | max_staleness=%d | ActorFwd %s",
@@ -534,7 +659,8 @@ class AsyncLoop:
             except Exception:  # noqa: BLE001  (best effort while tearing down)
                 pass
         self.groups.clear()
-        self.c.rollout = self.c.actor = None  # killed above; the Controller must not kill them again
+        # killed above; the Controller must not kill them again
+        self.c.rollout = self.c.actor = self.c.algo_roles.critic = None
         for pg in self.pgs:
             try:
                 remove_placement_group(pg)
@@ -563,31 +689,43 @@ class AsyncLoop:
         return refs
 
     def push_weights(self, version: int) -> None:
-        """Blocking publish (after the warm start): snapshot and broadcast ``version``."""
-        ray.get(self.groups["actor"].actors[0].ws_snapshot.remote(version))
+        """Blocking publish (after the warm start): snapshot and broadcast ``version``; the frozen
+        Reference starts from the warm-started policy too, as in colocate."""
+        actor = self.groups["actor"].actors[0]
+        ray.get(actor.ws_snapshot.remote(version))
         self._publish(version, blocking=True)
+        if self.use_ref:
+            ray.get(self.groups["reference"].actors[0].update_weights.remote(actor.state_dict.remote()))
 
     # ------------------------------------------------------------------ the loop
+    def _launch_round(self, step: int, roll: dict[str, Any]) -> list[ray.ObjectRef]:
+        """One rollout round of ``step``: a batch of prompts over the engines, each filling its share of
+        the step's free group slots."""
+        engines = self.groups["rollout"].actors
+        k = min(len(engines), len(roll["free"]))
+        prompts = self.c.stream.next_batch(self.cfg.rollout.batch_size)
+        roll["round"] += 1
+        last = roll["round"] >= self.max_rounds
+        return [
+            engine.produce.remote(step, chunk, slots, last)
+            for engine, chunk, slots in zip(
+                engines, split_evenly(prompts, k), split_evenly(roll["free"], k), strict=False
+            )
+        ]
+
     def steps(self):
         """Run ``trainer.total_steps`` RL steps; yield ``(step, metrics)`` in step order."""
         cfg, c = self.cfg, self.c
-        r, t = cfg.rollout, cfg.trainer
-        total, n_engines = t.total_steps, r.num_engines
+        total = cfg.trainer.total_steps
         actor = self.groups["actor"].actors[0]
-        need = list(SAMPLE_FIELDS) + ["advantages"]
-        extras = ["advantages"]
-        if self.use_ref:
-            need.append("ref_logprobs")
-            extras.append("ref_logprobs")
-        if self.use_fwd:
-            need.append("old_logprobs")
-            extras.append("old_logprobs")
+        extras = ["advantages"] + ["ref_logprobs"] * self.use_ref + ["old_logprobs"] * self.use_fwd
+        need = list(SAMPLE_FIELDS) + extras
+        stages = [name for name in HELPER_STAGES if name in self.groups]
         trained, next_roll, synced = 0, 1, 0
         kinds: dict[ray.ObjectRef, tuple[str, int]] = {}
-        roll_parts: dict[int, list] = {}
-        roll_launch: dict[int, float] = {}
-        stage_busy: dict[str, int | None] = {"advantages": None, "reference": None, "actor_fwd": None}
-        stage_next: dict[str, int] = {"advantages": 1, "reference": 1, "actor_fwd": 1}
+        roll: dict[str, Any] = {}  # the step being generated: free slots, rounds, pending refs, results
+        stage_busy: dict[str, int | None] = dict.fromkeys(stages)
+        stage_next: dict[str, int] = dict.fromkeys(stages, 1)
         rolling: int | None = None
         training: int | None = None
         sync_queue: deque[int] = deque()
@@ -598,6 +736,12 @@ class AsyncLoop:
 
         def launch(ref, kind, step):
             kinds[ref] = (kind, step)
+
+        def launch_round(s):
+            refs = self._launch_round(s, roll)
+            roll["pending"] = set(refs)
+            for ref in refs:
+                launch(ref, "rollout", s)
 
         while yielded < total:
             # 1. weights: one version at a time, in order
@@ -610,7 +754,7 @@ class AsyncLoop:
             # 2. evaluation of a finished step on its own weights, when rollout is idle
             for s in sorted(evals_due):
                 if rolling is None and synced >= s:
-                    info[s]["metrics"] |= c.evaluate()
+                    info[s]["eval"] = c.evaluate()
                     evals_due.discard(s)
             # 3. rollout of the next step, if the staleness gate and the engines' weights allow it
             if (
@@ -621,27 +765,19 @@ class AsyncLoop:
                 and synced >= self.gate.min_weight_version(next_roll)
             ):
                 s = next_roll
-                prompts = c.stream.next_batch(r.batch_size)
-                first, refs = 0, []
-                for engine, chunk in zip(self.groups["rollout"].actors, split_evenly(prompts, n_engines)):
-                    if chunk:
-                        refs.append(engine.produce.remote(s, chunk, first))
-                    first += len(chunk)
-                for ref in refs:
-                    launch(ref, "rollout", s)
-                roll_parts[s] = [None] * len(refs)
-                info[s] = {"rollout_refs": refs}
-                roll_launch[s] = time.perf_counter()
+                roll = {"free": list(range(cfg.rollout.batch_size)), "round": 0, "parts": []}
+                roll["launched"] = time.perf_counter()
+                info[s] = {"stages": {}, "eval": {}}
+                launch_round(s)
                 rolling, next_roll = s, s + 1
             # 4. helper stages follow the rollout step by step
-            for name in ("advantages", "reference", "actor_fwd"):
-                group = self.groups.get(name)
+            for name in stages:
                 s = stage_next[name]
-                if group is None or stage_busy[name] is not None or s >= next_roll:
+                if stage_busy[name] is not None or s >= next_roll:
                     continue
                 if name == "actor_fwd" and synced < s - 1:  # behaviour policy = version s-1
                     continue
-                launch(group.actors[0].process.remote(s, self.step_samples), name, s)
+                launch(self.groups[name].actors[0].process.remote(s, self.step_samples), name, s)
                 stage_busy[name], stage_next[name] = s, s + 1
             # 5. the Actor trains the oldest unconsumed step as its rows stream in
             if training is None and trained < total and trained + 1 < next_roll:
@@ -655,25 +791,27 @@ class AsyncLoop:
                 kind, s = kinds.pop(ref)
                 value = ray.get(ref)  # re-raises a role's error here
                 if kind == "rollout":
-                    parts = info[s]["rollout_refs"]
-                    roll_parts[s][parts.index(ref)] = value
-                    if all(p is not None for p in roll_parts[s]):
-                        info[s]["rollout"] = roll_parts.pop(s)
-                        info[s]["rollout_s"] = time.perf_counter() - roll_launch.pop(s)
-                        rolling = None
+                    roll["pending"].discard(ref)
+                    roll["parts"].append(value)
+                    filled = set(value["filled"])
+                    roll["free"] = [g for g in roll["free"] if g not in filled]
+                    if roll["pending"]:
+                        continue
+                    if roll["free"]:  # dynamic sampling: another round for the groups still missing
+                        launch_round(s)
+                        continue
+                    info[s] |= {"rollout": roll["parts"], "rounds": roll["round"]}
+                    info[s]["rollout_s"] = time.perf_counter() - roll["launched"]
+                    rolling = None
                 elif kind in stage_busy:
                     stage_busy[kind] = None
-                    info[s][f"time/{kind}_wait_s"] = value
+                    info[s]["stages"] |= value
                 elif kind == "train":
                     training, trained = None, s
-                    now = time.perf_counter()
                     info[s]["train"] = value
-                    info[s]["train_s"] = now - info[s]["train_launch"]
-                    info[s]["step_time_s"] = now - last_done
-                    last_done = now
+                    info[s]["train_s"] = time.perf_counter() - info[s]["train_launch"]
                     sync_queue.append(s)
-                    info[s]["metrics"] = self._step_metrics(s, info[s])
-                    if t.eval_every and (s % t.eval_every == 0 or s == total):
+                    if cfg.trainer.eval_every and (s % cfg.trainer.eval_every == 0 or s == total):
                         evals_due.add(s)
                 elif kind == "sync":
                     v, refs = sync_inflight
@@ -681,20 +819,18 @@ class AsyncLoop:
                         self.last_sync_s = value  # the Actor's broadcast time of version v
                     if all(x not in kinds for x in refs):
                         synced, sync_inflight = v, None
-            # 7. hand out finished steps in order
-            while yielded < total and yielded + 1 in info and "metrics" in info[yielded + 1]:
+            # 7. hand out finished steps in order, once rollout, Actor and every helper are done with them
+            while yielded < total and {"rollout", "train"} <= set(info.get(yielded + 1, ())):
                 s = yielded + 1
-                helpers_busy = any(
-                    name in self.groups and (stage_busy[name] == s or stage_next[name] <= s)
-                    for name in ("advantages", "reference", "actor_fwd")
-                )
-                if s in evals_due or helpers_busy:
+                if s in evals_due or any(stage_busy[n] == s or stage_next[n] <= s for n in stages):
                     break
                 self.bus.clear(partition_name(s))
-                yield s, info.pop(s)["metrics"]
+                now, step_info = time.perf_counter(), info.pop(s)
+                step_info["step_time_s"], last_done = now - last_done, now
+                yield s, self._step_metrics(step_info) | step_info["stages"] | step_info["eval"]
                 yielded = s
 
-    def _step_metrics(self, step: int, info: dict[str, Any]) -> dict[str, float]:
+    def _step_metrics(self, info: dict[str, Any]) -> dict[str, float]:
         parts = info["rollout"]
         samples = [
             Sample(0, 0, [], [], [], [], reward=rw, reward_extras=ex)
@@ -720,9 +856,13 @@ class AsyncLoop:
                 "time/weight_sync_s": self.last_sync_s,
             }
         )
-        for key in ("time/advantages_wait_s", "time/reference_wait_s", "time/actor_fwd_wait_s"):
-            if key in info:
-                metrics[key] = info[key]
+        if self.cfg.algorithm.dynamic_sampling:
+            metrics |= dynamic_sampling_metrics(
+                info["rounds"],
+                sum(p["kept_groups"] for p in parts),
+                sum(p["generated_groups"] for p in parts),
+                [rw for p in parts for rw in p["generated_rewards"]],
+            )
         return metrics
 
 

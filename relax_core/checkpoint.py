@@ -174,6 +174,9 @@ def save_run(controller, manager: CheckpointManager, step: int, extra: dict[str,
 
     def write(tmp: Path) -> dict[str, Any]:
         actor_done = c.actor.call("save_checkpoint", str(tmp / "actor"))
+        algo_roles = getattr(c, "algo_roles", None)  # the PPO Critic trains too
+        if algo_roles is not None:
+            actor_done += algo_roles.save_checkpoint(str(tmp))
         rng_states = ray.get(c.rollout.call("rng_state"))
         for i, state in enumerate(rng_states):
             save_torch(state, tmp / f"rollout_{i}.pt")
@@ -183,6 +186,7 @@ def save_run(controller, manager: CheckpointManager, step: int, extra: dict[str,
             "history": list(c.sink.history) if c.sink is not None else [],
             "health": c.health.state_dict() if getattr(c, "health", None) is not None else {},
             "extra": extra or {},
+            "algo_updates": algo_roles.updates if algo_roles is not None else 0,
         }
         bus = getattr(c, "bus", None)  # async mode: staleness / in-flight bookkeeping when it can be saved
         if bus is not None and hasattr(bus, "state_dict"):
@@ -209,6 +213,8 @@ def restore_run(controller, path: str | os.PathLike) -> dict[str, Any]:
     driver = load_torch(path / "driver.pt")
     step = int(driver["step"])
     ray.get(c.actor.call("load_checkpoint", str(path / "actor")))
+    if getattr(c, "algo_roles", None) is not None:
+        c.algo_roles.load_checkpoint(str(path), driver.get("algo_updates", 0))
     c.push_weights(version=step)
     refs = []
     for i, actor in enumerate(c.rollout.actors):

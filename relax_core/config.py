@@ -240,6 +240,26 @@ class DataConfig:
 
 
 @dataclass
+class AgentProgramConfig:
+    """An external agent program trained through the OpenAI-compatible endpoint (``rollout.agent``)."""
+
+    # the program and its arguments; it gets OPENAI_BASE_URL, RELAX_EPISODES_URL and RELAX_AGENT_WORKER
+    command: list[str] = field(default_factory=list)
+    # copies of the program run at once (each takes episodes one after another, or several with threads)
+    num_workers: int = 4
+    # seconds an episode may stay without a reward after a program took it; then it is FAILED and the
+    # program holding it is restarted
+    episode_timeout_s: float = 60.0
+    # restarts of crashed, hung or exited programs before the run stops with an error
+    max_restarts: int = 50
+    # extra environment variables of the program
+    env: dict[str, str] = field(default_factory=dict)
+    # append every closed session to <run dir>/agent_logs/trajectories.jsonl: its text in runs of equal
+    # loss mask (1: the model's tokens, trained; 0: what the program added), reward and status
+    save_trajectories: bool = False
+
+
+@dataclass
 class RolloutConfig:
     """Generation: engine, batch shape and sampling (``conf/rollout/``)."""
 
@@ -266,8 +286,11 @@ class RolloutConfig:
     max_context_len: int = 256
     # seconds one env reset/step may take before the sample is ended as FAILED
     env_step_timeout_s: float = 10.0
-    # FAILED samples (env raised or hung) get reward 0 and: "mask" (no loss) or "keep" (trained on)
+    # FAILED samples (env or agent program raised or hung) get reward 0 and: "mask" (no loss) or "keep"
     failed_sample_policy: str = "mask"
+    # an external agent program instead of generating from the prompts (relax_core/agentic/programs.py):
+    # episodes go to the program, its OpenAI-compatible calls are recorded as trajectories
+    agent: AgentProgramConfig | None = None
     # torch engine: compute dtype (float32, bfloat16, float16, auto = bf16 where the CPU supports it)
     dtype: str = "float32"
     # torch engine: samples decoded together (continuous-batching slots)

@@ -73,7 +73,7 @@ class Controller:
         self.resolved = resolved
         self.model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
         self.tokenizer = load_tokenizer(self.model_path)
-        if cfg.rollout.env is not None:
+        if cfg.rollout.env is not None or cfg.rollout.agent is not None:
             import relax_core.agentic  # noqa: F401  (registers the agentic synthetic tasks)
         train_path, eval_path = dataset_paths(cfg.data, cfg.output_dir, cfg.seed)
         # multimodal runs (modality.keys): the processor reads media columns; None for text
@@ -89,6 +89,7 @@ class Controller:
         self.algo_roles = AlgorithmRoles(cfg, self.model_path)
         self.sink: MetricsSink | None = None
         self.pg = None
+        self.agent = None  # rollout.agent: an external program plays the episodes
 
     # ---------------------------------------------------------------- role groups
     def start_roles(self) -> None:
@@ -114,6 +115,11 @@ class Controller:
         args = (self.cfg, self.model_path)
         # launch engines + elastic members (scale-out/in, external URLs) behind a router
         self.rollout = RolloutPool(self.cfg, self.model_path, self.pg, list(range(r.num_engines)))
+        if r.agent is not None:  # the OpenAI-compatible endpoint over the pool, and the program's copies
+            from relax_core.agentic.programs import AgentProgramRollout
+
+            self.agent = AgentProgramRollout(self.cfg, self.rollout, self.tokenizer)
+            self.agent.start()
         # world > 1: megatron model-parallel ranks, one gloo/NCCL group over 127.0.0.1 (single host)
         port = free_port() if world > 1 else 0
         self.actor = RoleGroup(
@@ -138,6 +144,8 @@ class Controller:
     def stop_roles(self) -> None:
         if getattr(self, "async_loop", None) is not None:
             self.async_loop.stop()
+        if self.agent is not None:
+            self.agent.stop()
         self.algo_roles.stop()
         for group in (
             getattr(self, "rollout", None),
@@ -151,6 +159,8 @@ class Controller:
 
     # ---------------------------------------------------------------- pieces of a step
     def generate(self, prompts: list[PromptRecord], greedy: bool = False) -> list[Sample]:
+        if self.agent is not None:  # the agent program plays them through the endpoint
+            return self.agent.generate(prompts, greedy)
         if isinstance(self.rollout, RolloutPool):  # routed over every serving engine
             return self.rollout.generate(prompts, greedy)
         chunks = [c for c in split_evenly(prompts, len(self.rollout)) if c]
@@ -186,6 +196,10 @@ class Controller:
 
                 samples = expert_samples(prompts, self.cfg.rollout, self.tokenizer, seed=self.cfg.seed + i)
                 prompts = []
+            elif self.agent is not None:  # agent program: the rows' demonstration conversations
+                from relax_core.agentic.warmstart import demo_samples
+
+                samples, prompts = demo_samples(prompts, self.tokenizer), []
             if self.media is not None:  # pixel/audio tensors of the drawn prompts
                 prompts = self.media.materialize(prompts)
             for p in prompts:
@@ -266,6 +280,8 @@ class Controller:
         )
         if isinstance(self.rollout, RolloutPool):  # samples and engines behind this step (elastic scaling)
             metrics |= self.rollout.step_metrics()
+        if self.agent is not None:
+            metrics |= self.agent.metrics()
         return metrics
 
     def start_control_plane(self):

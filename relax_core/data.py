@@ -126,16 +126,22 @@ def get_field(row: dict, dotted: str) -> Any:
     return value
 
 
-def render_prompt(prompt: Any, tokenizer, cfg) -> str:
-    """The text the model sees: chat template over messages when available, else the raw text."""
+def prompt_messages(prompt: Any, cfg) -> list[dict[str, Any]]:
+    """A dataset prompt (text or messages) as chat messages, with ``data.system_prompt`` in front."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
-        messages = list(prompt)
+        messages = [dict(m) for m in prompt]
     else:
         raise ValueError("prompt must be a string or a list of {role, content} messages")
     if cfg.system_prompt and messages[0].get("role") != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    return messages
+
+
+def render_prompt(prompt: Any, tokenizer, cfg) -> str:
+    """The text the model sees: chat template over messages when available, else the raw text."""
+    messages = prompt_messages(prompt, cfg)
     if cfg.apply_chat_template and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return "\n".join(str(m["content"]) for m in messages)
@@ -218,6 +224,7 @@ def load_prompts(path: str, cfg, tokenizer, media=None) -> tuple[list[PromptReco
                 label=label,
                 metadata=metadata,
                 media=row_items,
+                messages=prompt_messages(prompt, cfg),
             )
         )
     if not records:

@@ -31,6 +31,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup
 
+from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.engines.router import Router
 from relax_core.ray_groups import RoleGroup
 from relax_core.roles.rollout import Rollout
@@ -269,6 +270,50 @@ class RolloutPool(RoleGroup):
             "rollout/engines_used": float(len(used)),
         }
         return samples
+
+    def complete(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
+        """Raw continuations of token-level requests (the agent endpoint), spread over the routable
+        engines; the requests of an engine that fails go to the others."""
+        results: list[GenerationResult | None] = [None] * len(requests)
+        todo, last_error = list(range(len(requests))), None
+        for _attempt in range(8):
+            if not todo:
+                break
+            if not self.router.keys(routable_only=True):
+                self.check_health()
+            chunks: dict[str, list[int]] = {}
+            for i, key in zip(todo, self.router.assign([1] * len(todo))):
+                chunks.setdefault(key, []).append(i)
+            refs = {}
+            with self.lock:  # counted in flight: a scale-in drains them before removing the engine
+                for key, idxs in chunks.items():
+                    member = self.members[key]
+                    member.inflight += len(idxs)
+                    refs[key] = (
+                        member,
+                        self._handle(member).complete.remote([requests[i] for i in idxs], sampling),
+                    )
+            todo = []
+            for key, (member, ref) in refs.items():
+                try:
+                    out = ray.get(ref)
+                except Exception as err:  # engine died or its server failed: route elsewhere
+                    log.warning(
+                        "rollout engine %s failed (%s); re-routing %d requests", key, err, len(chunks[key])
+                    )
+                    last_error = err
+                    self.router.mark_unhealthy(key)
+                    todo += chunks[key]
+                    continue
+                finally:
+                    self.router.release(key, len(chunks[key]))
+                    with self.lock:
+                        member.inflight -= len(chunks[key])
+                for i, result in zip(chunks[key], out, strict=True):
+                    results[i] = result
+        if todo:
+            raise RuntimeError(f"{len(todo)} requests found no working rollout engine") from last_error
+        return results
 
     def step_metrics(self) -> dict[str, float]:
         """Sample counts and engine counts of the latest :meth:`generate` (merged into step metrics)."""

@@ -35,6 +35,8 @@ class PromptRecord:
     # media items (paths, bytes) of a multimodal row by kind; ``multimodal_inputs`` is built from them when
     # the prompt is drawn (relax_core.multimodal), so a loaded dataset holds no pixel/audio tensors
     media: dict[str, list[Any]] | None = None
+    # the prompt as chat messages (system prompt included): what an agent program starts from
+    messages: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

@@ -66,7 +66,11 @@ def validate(cfg) -> None:
         raise RelaxUserError(
             "trainer.sft_warmup_steps needs data.label_key (labels are the warm-start targets)"
         )
-    if r.env is not None:
+    if r.agent is not None:
+        from relax_core.agentic.validation import validate_agent_program
+
+        validate_agent_program(cfg)
+    elif r.env is not None:
         from relax_core.agentic.validation import validate_agentic
 
         validate_agentic(cfg)

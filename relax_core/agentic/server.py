@@ -8,22 +8,30 @@ sampling log-probs). The program ends the session with ``POST /v1/sessions/{id}/
 sessions become :class:`~relax_core.samples.Sample` records (``TrajectoryStore.pop_finished``) that train
 like environment episodes. When a program rewrites history so the new conversation does not extend the
 recorded tokens, the trajectory restarts from the new conversation (counted in ``restarts``).
+
+In a training run (``rollout.agent``, :mod:`relax_core.agentic.programs`) an :class:`EpisodeBoard` hands
+out the step's episodes (``POST /v1/episodes/next``): only those sessions are served, with the run's
+sampling settings, and each becomes one sample of its prompt's group. Concurrent calls of different
+sessions are batched into one engine call (:class:`RequestBatcher`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
 import uuid
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax_core.agentic.formatting import continuation_text, render_messages
-from relax_core.engines.base import GenerationRequest, RolloutEngine, SamplingParams
-from relax_core.samples import Sample, SampleStatus
+from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from relax_core.samples import PromptRecord, Sample, SampleStatus
 
 FINISH_STATUS = {
     "stop": SampleStatus.COMPLETED,
@@ -53,6 +61,16 @@ class ChatRequest(BaseModel):
 class RewardRequest(BaseModel):
     reward: float
     group_id: int | None = None
+    # numbers logged as ``reward/<name>`` step metrics (e.g. accuracy, tool calls)
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class Generates(Protocol):
+    """What the endpoint samples from: a rollout engine, or the run's pool of engines."""
+
+    def generate(
+        self, requests: list[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]: ...
 
 
 def extends(messages: list[dict[str, Any]], seen: list[dict[str, Any]]) -> bool:
@@ -79,6 +97,13 @@ class Trajectory:
     status: SampleStatus = SampleStatus.COMPLETED
     version: int = 0
     created: float = field(default_factory=time.time)
+    # a training episode (EpisodeBoard): its prompt's group, the dataset row, greedy (eval) sampling
+    group_id: int | None = None
+    index_in_group: int = 0
+    prompt: PromptRecord | None = None
+    greedy: bool = False
+    # one call of a session at a time
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def context(self) -> list[int]:
@@ -106,62 +131,225 @@ class Trajectory:
 
 
 class TrajectoryStore:
-    """Sessions in progress and finished ones waiting for training; thread-safe."""
+    """Sessions in progress and finished ones waiting for training; thread-safe.
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
+    ``open_sessions_only``: serve only sessions opened by :meth:`open` (a training run's episodes).
+    """
+
+    def __init__(self, open_sessions_only: bool = False) -> None:
+        self._changed = threading.Condition()
+        self.open_sessions_only = open_sessions_only
         self.live: dict[str, Trajectory] = {}
         self.finished: list[Sample] = []
         self._groups = itertools.count()
 
     def session(self, session_id: str) -> Trajectory:
-        with self._lock:
+        """The session's trajectory; KeyError for an unknown one when only opened sessions are served."""
+        with self._changed:
+            if self.open_sessions_only:
+                return self.live[session_id]
             return self.live.setdefault(session_id, Trajectory(session_id))
 
-    def finish(self, session_id: str, reward: float, group_id: int | None = None) -> Sample:
+    def open(self, traj: Trajectory) -> None:
+        with self._changed:
+            self.live[traj.session_id] = traj
+
+    def finish(
+        self,
+        session_id: str,
+        reward: float,
+        group_id: int | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> Sample:
         """Close a session with its reward; raises KeyError for an unknown or already closed session."""
-        with self._lock:
+        with self._changed:
             traj = self.live.pop(session_id)
-            sample = Sample(
-                group_id=next(self._groups) if group_id is None else group_id,
-                index_in_group=0,
-                prompt_ids=traj.prompt_ids,
-                response_ids=traj.response_ids,
-                rollout_logprobs=traj.logprobs,
-                loss_mask=traj.loss_mask,
-                metadata={"session_id": session_id, "restarts": traj.restarts},
-                reward=float(reward),
-                reward_extras={"turns": float(traj.turns)},
-                status=traj.status,
-                policy_version=traj.version,
-                num_turns=traj.turns,
-                stop_reason="reward",
-            )
-            if group_id is not None:
-                sample.index_in_group = sum(1 for s in self.finished if s.group_id == group_id)
-            self.finished.append(sample)
-            return sample
+            if traj.group_id is None:
+                traj.group_id = next(self._groups) if group_id is None else group_id
+                traj.index_in_group = sum(1 for s in self.finished if s.group_id == traj.group_id)
+            extras = {"agent_failed": 0.0} | {k: float(v) for k, v in (metrics or {}).items()}
+            return self._close(traj, float(reward), extras)
+
+    def fail(self, session_id: str, reason: str, keep_mask: bool = False) -> Sample | None:
+        """Close a session as FAILED (reward 0; loss mask zeroed unless ``keep_mask``); None if not open."""
+        with self._changed:
+            traj = self.live.pop(session_id, None)
+            if traj is None:
+                return None
+            traj.status = SampleStatus.FAILED
+            if not keep_mask:
+                traj.loss_mask = [0] * len(traj.loss_mask)
+            return self._close(traj, 0.0, {"agent_failed": 1.0}, error=reason)
+
+    def _close(self, traj: Trajectory, reward: float, extras: dict[str, float], error: str = "") -> Sample:
+        row = traj.prompt
+        metadata = dict(row.metadata) if row is not None else {}
+        metadata |= {"session_id": traj.session_id, "restarts": traj.restarts}
+        if error:
+            metadata["agent_error"] = error
+        sample = Sample(
+            group_id=traj.group_id,
+            index_in_group=traj.index_in_group,
+            # a session that never called the model keeps the dataset prompt
+            prompt_ids=traj.prompt_ids or (row.prompt_ids if row is not None else []),
+            # copies: a call still running for a failed session must not change the sample
+            response_ids=list(traj.response_ids),
+            rollout_logprobs=list(traj.logprobs),
+            loss_mask=list(traj.loss_mask),
+            label=row.label if row is not None else None,
+            metadata=metadata,
+            reward=reward,
+            reward_extras={"turns": float(traj.turns)} | extras,
+            status=traj.status,
+            policy_version=traj.version,
+            num_turns=traj.turns,
+            stop_reason="agent_error" if error else "reward",
+        )
+        self.finished.append(sample)
+        self._changed.notify_all()
+        return sample
 
     def pop_finished(self) -> list[Sample]:
-        with self._lock:
+        with self._changed:
             out, self.finished = self.finished, []
             return out
 
+    def wait_for_change(self, timeout: float) -> None:
+        """Block until a session closes or ``timeout`` seconds pass."""
+        with self._changed:
+            self._changed.wait(timeout)
+
+
+class EpisodeBoard:
+    """A training run's episodes waiting for an agent program, and which worker took which (leases).
+
+    ``take`` blocks until an episode is posted or the board closes (the run is over: None). A worker the
+    runner no longer counts as live (``is_live_worker``, e.g. one that was killed) gets None too.
+    """
+
+    def __init__(self, store: TrajectoryStore, is_live_worker: Callable[[str | None], bool]) -> None:
+        self.store = store
+        self.is_live_worker = is_live_worker
+        self._cv = threading.Condition()
+        self.pending: deque[Trajectory] = deque()
+        self.leases: dict[str, tuple[str | None, float]] = {}  # session -> (worker, taken at)
+        self.closed = False
+        self.last_taken = time.monotonic()
+
+    def post(self, episodes: list[Trajectory]) -> None:
+        with self._cv:
+            self.pending.extend(episodes)
+            self.last_taken = time.monotonic()
+            self._cv.notify_all()
+
+    def take(self, worker: str | None) -> Trajectory | None:
+        with self._cv:
+            while not self.pending and not self.closed and self.is_live_worker(worker):
+                self._cv.wait(timeout=1.0)  # a killed worker's request must not hold a server thread
+            if self.closed or not self.is_live_worker(worker):
+                return None
+            traj = self.pending.popleft()
+            self.store.open(traj)
+            self.last_taken = time.monotonic()
+            self.leases[traj.session_id] = (worker, self.last_taken)
+            return traj
+
+    def drain_pending(self) -> list[Trajectory]:
+        """Episodes nobody took (they are failed by the caller)."""
+        with self._cv:
+            out, self.pending = list(self.pending), deque()
+            return out
+
+    def close(self) -> None:
+        with self._cv:
+            self.closed = True
+            self._cv.notify_all()
+
+
+@dataclass
+class _Call:
+    request: GenerationRequest
+    sampling: SamplingParams
+    done: threading.Event = field(default_factory=threading.Event)
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+
+
+class RequestBatcher:
+    """Single requests from concurrent sessions -> one engine call per sampling setting.
+
+    The engine sees one call at a time (it need not be re-entrant); the requests that arrive while a call
+    runs form the next batch, so a busy endpoint batches without waiting on a timer.
+    """
+
+    def __init__(self, engine: Generates) -> None:
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._queue: list[_Call] = []
+        threading.Thread(target=self._loop, daemon=True, name="relax-agent-batcher").start()
+
+    def generate(self, request: GenerationRequest, sampling: SamplingParams) -> GenerationResult:
+        call = _Call(request, sampling)
+        with self._cv:
+            self._queue.append(call)
+            self._cv.notify()
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                calls, self._queue = self._queue, []
+            by_sampling: dict[str, list[_Call]] = {}
+            for call in calls:
+                by_sampling.setdefault(repr(call.sampling), []).append(call)
+            for group in by_sampling.values():
+                try:
+                    results = self.engine.generate([c.request for c in group], group[0].sampling)
+                    for call, result in zip(group, results, strict=True):
+                        call.result = result
+                except Exception as err:  # noqa: BLE001  (reported to each waiting session)
+                    for call in group:
+                        call.error = err
+                for call in group:
+                    call.done.set()
+
 
 def build_app(
-    engine: RolloutEngine,
+    engine: Generates,
     tokenizer,
     sampling: SamplingParams,
     store: TrajectoryStore,
     model_name: str = "relax-policy",
     max_context_len: int | None = None,
+    board: EpisodeBoard | None = None,
 ):
-    """The FastAPI app; one engine call at a time (the engine is not re-entrant)."""
+    """The FastAPI app. With a ``board`` (a training run) the run's ``sampling`` always applies: a request's
+    temperature/top_p are ignored so the recorded log-probs are the ones training expects, and its
+    max_tokens can only lower ``sampling.max_new_tokens``."""
     from fastapi import FastAPI, Header, HTTPException
 
     app = FastAPI(title="Relax policy (OpenAI-compatible)")
-    engine_lock = threading.Lock()
+    batcher = RequestBatcher(engine)
     eos_id = tokenizer.eos_token_id
+
+    def session_sampling(req: ChatRequest, traj: Trajectory) -> SamplingParams:
+        asked = req.max_completion_tokens or req.max_tokens
+        if board is not None:
+            temperature = 0.0 if traj.greedy else sampling.temperature
+            budget = min(asked or sampling.max_new_tokens, sampling.max_new_tokens)
+            return dataclasses.replace(sampling, max_new_tokens=budget, temperature=temperature, n=1)
+        return SamplingParams(
+            max_new_tokens=asked or sampling.max_new_tokens,
+            temperature=sampling.temperature if req.temperature is None else req.temperature,
+            top_p=sampling.top_p if req.top_p is None else req.top_p,
+            top_k=sampling.top_k,
+            n=1,
+        )
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
@@ -176,16 +364,15 @@ def build_app(
             raise HTTPException(400, "n must be 1: each session is one trajectory")
         if session_id in {s.metadata["session_id"] for s in store.finished}:
             raise HTTPException(409, f"session {session_id!r} already has its reward")
+        try:
+            traj = store.session(session_id)
+        except KeyError:
+            raise HTTPException(
+                404, f"no open session {session_id!r}: take an episode from POST /v1/episodes/next"
+            ) from None
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        traj = store.session(session_id)
-        params = SamplingParams(
-            max_new_tokens=req.max_completion_tokens or req.max_tokens or sampling.max_new_tokens,
-            temperature=sampling.temperature if req.temperature is None else req.temperature,
-            top_p=sampling.top_p if req.top_p is None else req.top_p,
-            top_k=sampling.top_k,
-            n=1,
-        )
-        with engine_lock:
+        with traj.lock:
+            params = session_sampling(req, traj)
             if traj.messages and extends(messages, traj.messages):
                 # token-in-token-out: keep the sampled tokens, append only what the program added
                 tail = continuation_text(
@@ -201,7 +388,7 @@ def build_app(
                     raise HTTPException(
                         400, f"conversation has {len(traj.context)} tokens: no room under {max_context_len}"
                     )
-            (result,) = engine.generate([GenerationRequest(traj.context, session_id)], params)
+            result = batcher.generate(GenerationRequest(traj.context, session_id), params)
             traj._append(result.output_ids, result.logprobs, 1)
             traj.turns += 1
             traj.version = result.weight_version
@@ -233,7 +420,7 @@ def build_app(
     @app.post("/v1/sessions/{session_id}/reward")
     def reward(session_id: str, req: RewardRequest) -> dict[str, Any]:
         try:
-            sample = store.finish(session_id, req.reward, req.group_id)
+            sample = store.finish(session_id, req.reward, req.group_id, req.metrics)
         except KeyError:
             raise HTTPException(404, f"no open session {session_id!r}") from None
         return {"session_id": session_id, "turns": sample.num_turns, "tokens": len(sample.response_ids)}
@@ -251,6 +438,26 @@ def build_app(
             "loss_mask": traj.loss_mask,
             "restarts": traj.restarts,
         }
+
+    if board is not None:
+
+        @app.post("/v1/episodes/next")
+        def next_episode(worker: str | None = None) -> dict[str, Any]:
+            """The next episode to play (blocks until one is posted), or ``{"done": true}`` at the end."""
+            traj = board.take(worker)
+            if traj is None:
+                return {"done": True}
+            row = traj.prompt
+            return {
+                "done": False,
+                "session_id": traj.session_id,
+                "messages": row.messages,
+                "label": row.label,
+                "metadata": row.metadata,
+                "group_id": traj.group_id,
+                "index_in_group": traj.index_in_group,
+                "greedy": traj.greedy,
+            }
 
     return app
 

@@ -1,4 +1,5 @@
-"""Synthetic datasets for the example environments (``data.synthetic=calc`` / ``guess``).
+"""Synthetic datasets for the example environments (``data.synthetic=calc`` / ``guess``) and the example
+agent program (``calc_chat``).
 
 The row is the task: its prompt is what the model reads first, its label and metadata reach the
 environment's constructor.
@@ -30,3 +31,16 @@ def guess_row(rng: random.Random, cfg) -> dict:
         "label": str(rng.randint(1, high)),
         "metadata": {"low": 1, "high": high},
     }
+
+
+@synthetic_task("calc_chat")
+def calc_chat_row(rng: random.Random, cfg) -> dict:
+    """``calc`` for the external agent program ``examples/agents/calc_agent.py``, with the conversation
+    the program has with a model that solves it (``metadata.demo``, the warm-start demonstration)."""
+    row = calc_row(rng, cfg)
+    row["metadata"]["demo"] = [
+        {"role": "assistant", "content": f"calc({row['prompt']})"},
+        {"role": "tool", "content": f"={row['label']}"},
+        {"role": "assistant", "content": row["label"]},
+    ]
+    return row

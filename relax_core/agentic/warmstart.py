@@ -4,10 +4,15 @@ The environment's :meth:`~relax_core.agentic.env.BaseInteractionEnv.expert_actio
 turns (each followed by EOS), and the same runner that does RL rollouts lays the episode out as tokens,
 so demonstrations and rollouts share one format: expert turns have loss mask 1, observations 0, and the
 warm-start loss (mean NLL over masked tokens) learns only the agent's side.
+
+An external agent program (``rollout.agent``) has no environment in the run: its rows carry the
+demonstration instead (``metadata.demo``: the messages after the prompt), laid out as the agent endpoint
+records a session.
 """
 
 from __future__ import annotations
 
+from relax_core.agentic.formatting import continuation_text, render_messages
 from relax_core.agentic.multiturn import Episode, MultiTurnRunner
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord, Sample
@@ -38,3 +43,40 @@ def expert_samples(prompts: list[PromptRecord], rollout_cfg, tokenizer, seed: in
     runner = MultiTurnRunner(rollout_cfg, tokenizer, seed=seed)
     samples = runner.run(prompts, 1, expert_policy(tokenizer))
     return [s for s in samples if any(s.loss_mask)]
+
+
+def demo_samples(prompts: list[PromptRecord], tokenizer) -> list[Sample]:
+    """One sample per prompt from its ``metadata["demo"]`` messages, token for token as the endpoint
+    records them: assistant turns plus EOS (mask 1), the messages a program adds between them (mask 0)."""
+    eos = tokenizer.eos_token_id
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    samples = []
+    for p in prompts:
+        demo = p.metadata.get("demo")
+        if not demo:
+            raise RelaxUserError(
+                f"trainer.sft_warmup_steps>0 with rollout.agent needs metadata.demo (the messages after the "
+                f"prompt) in every row; row {p.index} has none (or set trainer.sft_warmup_steps=0)"
+            )
+        conversation, prompt_ids, ids, mask, last_turn = list(p.messages), None, [], [], None
+        for message in demo:
+            if message["role"] == "assistant":
+                if last_turn is None:
+                    prompt_ids = encode(render_messages(tokenizer, conversation))
+                elif len(conversation) > last_turn + 1:
+                    added = encode(
+                        continuation_text(
+                            tokenizer, conversation[:last_turn], conversation[last_turn + 1 :], True
+                        )
+                    )
+                    ids, mask = ids + added, mask + [0] * len(added)
+                turn = encode(str(message["content"])) + [eos]
+                ids, mask, last_turn = ids + turn, mask + [1] * len(turn), len(conversation)
+            conversation.append(message)
+        if prompt_ids is None:
+            raise RelaxUserError(f"row {p.index}: metadata.demo has no assistant message")
+        samples.append(Sample(p.index, 0, prompt_ids, ids, [0.0] * len(ids), mask))
+    return samples

@@ -71,16 +71,3 @@ def validate_algorithm(cfg) -> None:
         raise RelaxUserError(f"algorithm.teacher.coef must be > 0, got {a.teacher.coef}")
     if a.teacher is not None and a.teacher.teacher_only and a.teacher.coef <= 0:
         raise RelaxUserError("algorithm.teacher.teacher_only needs algorithm.teacher.coef > 0")
-    if cfg.mode.name == "async":
-        uses = [
-            key
-            for key, on in (
-                ("algorithm.critic", a.critic is not None),
-                ("algorithm.teacher", a.teacher is not None),
-                ("algorithm.dynamic_sampling", a.dynamic_sampling),
-                ("algorithm.kl_reward_coef", a.kl_reward_coef > 0),
-            )
-            if on
-        ]
-        if uses:
-            raise RelaxUserError(f"{uses[0]} (algorithm={name}) runs in mode=colocate only for now")

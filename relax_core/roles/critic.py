@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from relax_core.algorithms.advantages import gae, last_token_rewards
 from relax_core.algorithms.logprobs import response_positions
 from relax_core.algorithms.value import clipped_value_loss
 from relax_core.samples import TrainBatch
@@ -39,6 +42,7 @@ class Critic:
         if cfg.algorithm.critic is None:
             raise ValueError("the Critic role needs algorithm.critic")
         self.cfg = cfg.algorithm.critic
+        self.gamma, self.lam = cfg.algorithm.gamma, cfg.algorithm.lam
         self.model = ValueModel(
             self.cfg.model_path or model_path, cfg.model.dtype, cfg.model.attn_implementation
         )
@@ -51,6 +55,16 @@ class Critic:
         parts = [self.model(mb) for mb in batch.micro_batches(self.cfg.micro_batch_size)]
         width = batch.loss_mask.shape[1]
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+    def fit(self, batch: TrainBatch) -> dict[str, float]:
+        """Regress on the GAE returns R_t = A_t + V_t of ``batch`` (rewards and ``extras['values']``)."""
+        values, mask = batch.extras["values"], batch.loss_mask
+        _, batch.extras["returns"] = gae(
+            last_token_rewards(batch.rewards, mask), values, mask, self.gamma, self.lam
+        )
+        metrics = self.train(batch)
+        metrics["critic/values_mean"] = float((values * mask).sum() / mask.sum().clamp_min(1))
+        return metrics
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """``critic.epochs`` optimizer steps on the clipped value loss against ``extras['returns']``.
@@ -80,6 +94,17 @@ class Critic:
             self.optimizer.step()
             sums["critic/grad_norm"] = sums.get("critic/grad_norm", 0.0) + float(grad_norm)
         return {k: v / self.cfg.epochs for k, v in sums.items()}
+
+    def save_checkpoint(self, path: str) -> None:
+        """Value model and optimizer (the Adam moments matter: a resumed critic must not re-warm)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        torch.save(state, Path(path) / "critic.pt")
+
+    def load_checkpoint(self, path: str) -> None:
+        state = torch.load(Path(path) / "critic.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def load_trunk(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Start the value trunk from the policy's weights (after the supervised warm-start)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from relax_core.engines import build_engine
-from relax_core.engines.base import GenerationRequest, SamplingParams
+from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.multimodal import MediaPrompts
 from relax_core.samples import PromptRecord, Sample, SampleStatus
 from relax_models.loader import load_tokenizer
@@ -87,6 +87,10 @@ class Rollout:
             )
         self.score(samples)
         return samples
+
+    def complete(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
+        """Raw continuations of token-level requests, unscored (the agent endpoint's calls)."""
+        return self.engine.generate(requests, sampling)
 
     def score(self, samples: list[Sample]) -> None:
         """Fill ``reward``/``reward_extras``; a reward that fails scores 0 and is counted."""

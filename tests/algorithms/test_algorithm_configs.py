@@ -56,7 +56,6 @@ def test_algorithm_specifics_are_on_the_dataclass():
         (["algorithm=grpo", "algorithm.kl_reward_coef=0.1"], "kl_reward_coef"),
         (["algorithm=opd", "algorithm.teacher.coef=0"], "teacher.coef"),
         (["algorithm=ppo", "algorithm.critic.value_clip=-1"], "value_clip"),
-        (["algorithm=ppo", "mode=async", "mode.max_staleness=1"], "mode=colocate only"),
     ],
 )
 def test_invalid_combinations_fail_with_a_clear_message(overrides, message):

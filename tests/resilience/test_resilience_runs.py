@@ -139,3 +139,24 @@ def test_run_gives_up_after_max_global_restarts_with_a_report(tmp_path: Path) ->
     records = [json.loads(line) for line in notify.read_text().splitlines()]
     assert [r["type"] for r in records] == ["info", "failure"]
     assert "actor-0" in records[-1]["body"]
+
+
+def test_ppo_resumed_from_a_checkpoint_continues_like_the_uninterrupted_run(tmp_path: Path) -> None:
+    """The Critic (value model, optimizer, warm-up count) is part of a checkpoint: resuming PPO at step 3
+    gives the uninterrupted run's rewards and value losses for steps 4-6."""
+    common = [*TINY_RUN, "algorithm=ppo", "algorithm.critic.warmup_steps=2", "trainer.total_steps=6"]
+    straight = tmp_path / "straight"
+    run_experiment(compose([*common, "trainer.save_every=3"], straight))
+    ckpt = straight / "checkpoints" / "step_000003"
+    assert (ckpt / "critic" / "critic.pt").is_file()
+
+    resumed = tmp_path / "resumed"
+    summary = run_experiment(compose([*common, f"trainer.resume={ckpt}"], resumed))
+    assert summary["status"] == "finished"
+
+    def late(run_dir: Path) -> list[float]:
+        rows = [r for r in read_metrics(run_dir) if r["step"] > 3]
+        return [r["reward/mean"] for r in rows] + [r["critic/vf_loss"] for r in rows]
+
+    assert len(late(straight)) == 6
+    assert late(resumed) == pytest.approx(late(straight), rel=1e-5)

@@ -1,0 +1,165 @@
+"""Training an external agent program through the launcher: real Ray, the real OpenAI-compatible endpoint
+over the run's rollout engines, the example program as real subprocesses talking HTTP.
+
+Each launch builds the tiny model and starts Ray (~30-60 s on 2 cores), so the runs are marked slow; the
+config rules and the warm-start layout are checked in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relax_core.agentic.programs import mask_runs
+from relax_core.agentic.tasks import calc_chat_row
+from relax_core.agentic.validation import validate_agent_program
+from relax_core.agentic.warmstart import demo_samples
+from relax_core.config import AgentProgramConfig, DataConfig, RelaxConfig
+from relax_core.errors import RelaxUserError
+from relax_core.samples import PromptRecord
+from tests.agentic.test_agentic_launch import ENV, ROOT
+
+AGENT = ROOT / "examples" / "agents" / "calc_agent.py"
+FAULTY = ROOT / "tests" / "agentic" / "faulty_agent.py"
+SHORT = [
+    "experiment=agent_program_calc",
+    "trainer.eval_every=0",
+    "rollout.batch_size=4",
+    "rollout.n_samples_per_prompt=4",
+    "rollout.agent.num_workers=4",
+    "data.num_eval=4",
+]
+
+
+def test_agent_config_errors_name_the_key():
+    cfg = RelaxConfig()
+    cfg.rollout.agent = AgentProgramConfig(command=["python", "agent.py"])
+    validate_agent_program(cfg)
+    for key, value, needle in [
+        ("command", [], "rollout.agent.command"),
+        ("num_workers", 0, "rollout.agent.num_workers"),
+        ("episode_timeout_s", 0.0, "rollout.agent.episode_timeout_s"),
+    ]:
+        bad = RelaxConfig()
+        bad.rollout.agent = AgentProgramConfig(**({"command": ["python", "agent.py"]} | {key: value}))
+        with pytest.raises(RelaxUserError, match=needle):
+            validate_agent_program(bad)
+    cfg.mode.name = "async"
+    with pytest.raises(RelaxUserError, match="mode=colocate"):
+        validate_agent_program(cfg)
+    cfg.mode.name, cfg.rollout.env = "colocate", {"_target_": "relax_core.agentic.envs.CalculatorEnv"}
+    with pytest.raises(RelaxUserError, match="exclude each other"):
+        validate_agent_program(cfg)
+
+
+def test_warm_start_demo_is_laid_out_as_the_endpoint_records_a_session(tokenizer):
+    import random
+
+    row = calc_chat_row(random.Random(0), DataConfig(min_digits=2, max_digits=2))
+    messages = [{"role": "user", "content": row["prompt"]}]
+    record = PromptRecord(7, [1], row["prompt"], row["label"], row["metadata"], messages=messages)
+    (sample,) = demo_samples([record], tokenizer)
+    expr, label = row["prompt"], row["label"]
+    assert tokenizer.decode(sample.prompt_ids) == f"{expr}\n"  # the program's first call, rendered
+    assert mask_runs(tokenizer, sample.response_ids, sample.loss_mask) == [
+        {"mask": 1, "text": f"calc({expr})<eos>"},
+        {"mask": 0, "text": f"={label}\n"},  # the tool message, as test_server shows the endpoint adds it
+        {"mask": 1, "text": f"{label}<eos>"},
+    ]
+    bare = PromptRecord(8, [1], "x", "1", {}, messages=messages)
+    with pytest.raises(RelaxUserError, match="metadata.demo"):
+        demo_samples([bare], tokenizer)
+
+
+def launch(tmp_path: Path, program: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relax_launch",
+            f"hydra.run.dir={tmp_path}",
+            "logger=jsonl",
+            f"rollout.agent.command=[{sys.executable},{program}]",
+            *SHORT,
+            *overrides,
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def metric_rows(tmp_path: Path) -> list[dict]:
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("step", 0) >= 1 and "reward/mean" in r]
+
+
+@pytest.mark.slow
+def test_example_agent_program_trains_with_masked_trajectories(tmp_path):
+    run = launch(
+        tmp_path,
+        AGENT,
+        "trainer.total_steps=3",
+        "rollout.agent.save_trajectories=true",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = metric_rows(tmp_path)
+    assert summary["status"] == "finished" and len(rows) == 3
+    assert all(r["agent/failed_sessions"] == 0 and r["optimizer_steps"] == 1 for r in rows), rows
+    assert all(0.0 <= r["reward/acc"] <= 1.0 and r["reward/turns"] >= 1 for r in rows)
+    sessions = [json.loads(line) for line in (tmp_path / "agent_logs" / "trajectories.jsonl").open()]
+    by_round: dict[int, list[dict]] = {}
+    for s in sessions:
+        by_round.setdefault(s["round"], []).append(s)
+    # greedy evals play each of the 4 eval prompts once; a training step plays 4 prompts x 4 samples
+    steps = [r for r in by_round.values() if len(r) == 16]
+    assert len(steps) == 3 and all(len({s["group_id"] for s in r}) == 4 for r in steps)
+    trained = [s for r in steps for s in r]
+    assert all(s["status"] != "failed" for s in trained)
+    multi_turn = [s for s in trained if s["turns"] >= 2]
+    assert multi_turn, "after the warm-start some episodes call the calculator"
+    for s in multi_turn:
+        masks = [seg["mask"] for seg in s["segments"]]
+        assert masks[:3] == [1, 0, 1], s  # model turn, the tool result the program sent, model turn
+        first, tool = s["segments"][0]["text"], s["segments"][1]["text"]
+        assert first.startswith("calc(") and first.endswith("<eos>"), s
+        assert tool.startswith("=") and tool.endswith("\n"), s
+    for s in trained:  # every model turn is trained, nothing else is
+        assert all(seg["mask"] == 1 for seg in s["segments"][::2])
+
+
+@pytest.mark.slow
+def test_programs_that_crash_hang_or_never_report_fail_their_sessions_only(tmp_path):
+    run = launch(
+        tmp_path,
+        FAULTY,
+        "trainer.total_steps=2",
+        "trainer.sft_warmup_steps=0",
+        "rollout.agent.episode_timeout_s=10",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metric_rows(tmp_path)
+    assert len(rows) == 2
+    # three of every four episodes fail; a well-behaved one can also fall with a program killed under it
+    assert all(0.7 <= r["reward/agent_failed"] < 1.0 for r in rows), rows
+    assert rows[-1]["agent/restarts"] >= 2 * 3
+    out = run.stdout + run.stderr
+    assert "FAILED: the program exited with code 3" in out
+    assert "FAILED: no reward within rollout.agent.episode_timeout_s=10" in out
+
+
+@pytest.mark.slow
+def test_program_that_cannot_start_stops_the_run_naming_the_command(tmp_path):
+    missing = tmp_path / "no_such_agent.py"
+    run = launch(tmp_path, missing, "trainer.total_steps=1", "trainer.sft_warmup_steps=0")
+    assert run.returncode == 2
+    error = run.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: rollout.agent.command") and str(missing) in error, error
+    assert "before taking an episode" in error and "No such file" in error
