@@ -53,25 +53,58 @@ def sample_tokens(
     if sampling.greedy:
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
-    scaled = logits / sampling.temperature
+    scaled = logits if sampling.temperature == 1.0 else logits / sampling.temperature
     logp = torch.log_softmax(scaled, -1)
+    kept = scaled
     if sampling.top_k > 0 or sampling.top_p < 1.0:
-        probs = filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(-1)
-    else:
-        probs = logp.exp()
-    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        kept = filter_logits(scaled, sampling.top_k, sampling.top_p)
+    token = (kept + _gumbel(kept.shape, generator, kept.device)).argmax(-1)
     return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3 RMSNorm: normalise in fp32, scale by the weight in the input dtype."""
-    normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return weight * normed.to(x.dtype)
+def _gumbel(shape: torch.Size, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Standard Gumbel noise: argmax(z + noise) samples softmax(z) exactly (the Gumbel-max trick); it needs
+    one uniform per logit, several times cheaper on CPU than the exponentials ``torch.multinomial`` draws."""
+    return torch.rand(shape, generator=generator, device=device).log_().neg_().log_().neg_()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in one fused op (Qwen3 normalises in fp32; the op accumulates in fp32)."""
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding ``x cos + rotate_half(x) sin``, with rotate_half = roll by half times ``[-1, +1]``
+    (the sign is folded into ``sin_signed``), so it is three ops."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
+
+
+@dataclass
+class _LayerWeights:
+    """One decoder layer laid out for the decode step: fused projections, transposed outputs for addmm."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q; k; v] projection rows
+    qk_norm: torch.Tensor  # [heads + kv_heads, head_dim]: q_norm x attention scaling, then k_norm
+    o_t: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [gate; up] projection rows
+    down_t: torch.Tensor
+
+
+def _layer_weights(layer: torch.nn.Module, n_heads: int, n_kv: int) -> _LayerWeights:
+    a, mlp = layer.self_attn, layer.mlp
+    # folding the score scaling into q's norm weight saves one op on the scores per layer
+    qk_norm = torch.cat([(a.q_norm.weight * a.scaling).expand(n_heads, -1), a.k_norm.weight.expand(n_kv, -1)])
+    return _LayerWeights(
+        input_norm=layer.input_layernorm.weight,
+        qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+        qk_norm=qk_norm,
+        o_t=a.o_proj.weight.t(),
+        post_norm=layer.post_attention_layernorm.weight,
+        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        down_t=mlp.down_proj.weight.t(),
+    )
 
 
 def fast_path_supported(model: torch.nn.Module) -> bool:
@@ -128,7 +161,9 @@ class TorchEngine(RolloutEngine):
         self._queue: deque[_Job] = deque()
         self._rows: list[dict[str, Any]] = []  # per live slot: job, sample index, pending token
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._fused: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, signed sin per cache position
+        self._positions = torch.arange(0)
+        self._layer_weights: list[_LayerWeights] | None = None
         self.peak_running = 0  # most samples decoded together so far (continuous-batching stat)
         if self.fast:
             cfg = model.config
@@ -182,7 +217,7 @@ class TorchEngine(RolloutEngine):
     def num_running(self) -> int:
         return len(self._rows) + sum(j.remaining for j in self._queue)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> bool:
         """Admit waiting requests into free slots, then decode one token for every live slot."""
         with self._lock:
@@ -200,7 +235,7 @@ class TorchEngine(RolloutEngine):
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         with self._lock:
             self.model.load_state_dict(state_dict, strict=False)
-            self._fused = None
+            self._layer_weights = None
             self.weight_version = version
 
     def pause(self) -> None:
@@ -238,6 +273,19 @@ class TorchEngine(RolloutEngine):
             new_k[:, :r, :, :t] = old_k[:, :r]
             new_v[:, :r, :, :t] = old_v[:, :r]
         self._cache = (new_k, new_v)
+        self._positions = torch.arange(length, device=self.device)
+        self._rotary = self._rotary_tables(self._positions, dtype)
+
+    def _rotary_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own rotary cos/sin for every cache position, the sin's first half negated (see
+        :func:`_rotate`)."""
+        probe = torch.empty(0, dtype=dtype, device=self.device)
+        cos, sin = self.model.model.rotary_emb(probe, positions.unsqueeze(0))
+        half = self.head_dim // 2
+        sign = torch.cat([-torch.ones(half, dtype=dtype), torch.ones(half, dtype=dtype)]).to(self.device)
+        return cos[0], sin[0] * sign
 
     def _stop_ids(self, sampling: SamplingParams) -> list[int]:
         return self.eos_token_ids + list(sampling.stop_token_ids)
@@ -277,23 +325,21 @@ class TorchEngine(RolloutEngine):
         hidden = self._prefill(ids, positions, mask.unsqueeze(1), width, src, dst)
         last = hidden[torch.arange(len(batch)), lens - 1]
         logits = self.model.lm_head(self.model.model.norm(last))
-        for i, job in enumerate(batch):
-            n = job.remaining
-            rows = logits[i : i + 1].expand(n, -1)
-            token, logp = sample_tokens(rows, job.sampling, self.generator)
-            stop = self._stop_ids(job.sampling)
-            for s in range(n):
-                row = {
-                    "job": job,
-                    "index": s,
-                    "len": len(job.request.input_ids),
-                    "limit": len(job.request.input_ids) + job.sampling.max_new_tokens,
-                    "tokens": [],
-                    "logprobs": [],
-                    "stop": stop,
-                }
-                self._rows.append(row)
-                self._emit(row, int(token[s]), float(logp[s]))
+        for job in batch:
+            stop = frozenset(self._stop_ids(job.sampling))
+            for s in range(job.remaining):
+                self._rows.append(
+                    {
+                        "job": job,
+                        "index": s,
+                        "len": len(job.request.input_ids),
+                        "limit": len(job.request.input_ids) + job.sampling.max_new_tokens,
+                        "tokens": [],
+                        "logprobs": [],
+                        "stop": stop,
+                    }
+                )
+        self._sample_rows(logits[src], list(range(base, len(self._rows))))
         self.peak_running = max(self.peak_running, len(self._rows))
         self._retire()
 
@@ -337,77 +383,72 @@ class TorchEngine(RolloutEngine):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h
 
-    def _fused_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer: [q;k;v] and [gate;up] projection weights stacked, so decode runs 4 matmuls a layer."""
-        if self._fused is None:
-            self._fused = []
-            for layer in self.model.model.layers:
-                a, mlp = layer.self_attn, layer.mlp
-                qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-                self._fused.append((qkv, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])))
-        return self._fused
+    def _decode_weights(self) -> list[_LayerWeights]:
+        if self._layer_weights is None:
+            self._layer_weights = [
+                _layer_weights(layer, self.n_heads, self.n_kv) for layer in self.model.model.layers
+            ]
+        return self._layer_weights
 
     def _decode(self) -> None:
         """Feed every live slot's pending token at its next position, sample the next one.
 
-        Same math as the HF modules (RMSNorm in fp32, rotary from the model's own ``rotary_emb``, softmax
-        attention over the slot's cached keys), with fused projections and in-place cache writes.
+        Same math as the HF modules (RMSNorm accumulated in fp32, the model's own rotary table, softmax
+        attention over the slot's cached keys) in about 17 ops a layer: fused projections, q/k norm and
+        rotary on q and k together, residual adds fused into the output matmuls, in-place cache writes.
         """
         inner = self.model.model
         rows = self._rows
         r = len(rows)
         n_h, n_kv, d = self.n_heads, self.n_kv, self.head_dim
-        groups = n_h // n_kv
+        lens_list = [row["len"] for row in rows]
+        span = max(lens_list) + 1
         tokens = torch.tensor([row["pending"] for row in rows], device=self.device)
-        lens = torch.tensor([row["len"] for row in rows], device=self.device)
-        span = int(lens.max()) + 1
-        h = inner.embed_tokens(tokens)  # [R, hidden]
-        cos, sin = inner.rotary_emb(h.unsqueeze(1), lens.unsqueeze(1))  # [R, 1, D]
+        lens = torch.tensor(lens_list, device=self.device)
         k_cache, v_cache = self._cache  # type: ignore[misc]
+        cos_table, sin_table = self._rotary  # type: ignore[misc]
+        cos, sin = cos_table[lens].unsqueeze(1), sin_table[lens].unsqueeze(1)  # [R, 1, D]
         t_cap = k_cache.shape[3]
-        heads = torch.arange(n_kv, device=self.device)
-        ar = torch.arange(r, device=self.device)
-        flat_idx = (((ar * n_kv).unsqueeze(1) + heads) * t_cap + lens.unsqueeze(1)).reshape(-1)
-        mask = torch.zeros((r, 1, 1, span), dtype=torch.float32, device=self.device)
-        mask.masked_fill_(
-            torch.arange(span, device=self.device).view(1, 1, 1, span) > lens.view(r, 1, 1, 1), float("-inf")
+        slot_heads = torch.arange(r * n_kv, device=self.device).view(r, n_kv)
+        flat_idx = (slot_heads * t_cap + lens.unsqueeze(1)).view(-1)
+        # additive mask over the used cache length only: -inf past each slot's own position
+        beyond = self._positions[:span].view(1, 1, 1, span) > lens.view(r, 1, 1, 1)
+        mask = torch.zeros(beyond.shape, dtype=torch.float32, device=self.device).masked_fill_(
+            beyond, -torch.inf
         )
         eps = self.model.config.rms_norm_eps
-        for li, (layer, (w_qkv, w_gu)) in enumerate(zip(inner.layers, self._fused_weights())):
-            attn = layer.self_attn
-            qkv = torch.nn.functional.linear(_rms(h, layer.input_layernorm.weight, eps), w_qkv)
-            q = _rms(qkv[:, : n_h * d].view(r, n_h, d), attn.q_norm.weight, eps)
-            k = _rms(qkv[:, n_h * d : (n_h + n_kv) * d].view(r, n_kv, d), attn.k_norm.weight, eps)
-            v = qkv[:, (n_h + n_kv) * d :].reshape(r * n_kv, d)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            k_cache[li].view(-1, d).index_copy_(0, flat_idx, k.reshape(r * n_kv, d))
-            v_cache[li].view(-1, d).index_copy_(0, flat_idx, v)
-            keys, values = k_cache[li, :r, :, :span], v_cache[li, :r, :, :span]  # [R, Hkv, span, D] views
-            scores = torch.matmul(q.view(r, n_kv, groups, d), keys.transpose(-1, -2)) * attn.scaling
-            probs = torch.softmax(scores.float() + mask, dim=-1).to(values.dtype)
-            o = torch.matmul(probs, values).reshape(r, n_h * d)
-            h = h + torch.nn.functional.linear(o, attn.o_proj.weight)
-            gate, up = torch.nn.functional.linear(
-                _rms(h, layer.post_attention_layernorm.weight, eps), w_gu
-            ).chunk(2, dim=-1)
-            h = h + torch.nn.functional.linear(
-                torch.nn.functional.silu(gate) * up, layer.mlp.down_proj.weight
+        h = inner.embed_tokens(tokens)  # [R, hidden]
+        for li, w in enumerate(self._decode_weights()):
+            qkv = torch.nn.functional.linear(_rms(h, w.input_norm, eps), w.qkv)
+            qk = _rotate(
+                _rms(qkv[:, : (n_h + n_kv) * d].view(r, n_h + n_kv, d), None, eps) * w.qk_norm, cos, sin
             )
+            k_cache[li].view(-1, d).index_copy_(0, flat_idx, qk[:, n_h:].reshape(r * n_kv, d))
+            v_cache[li].view(-1, d).index_copy_(0, flat_idx, qkv[:, (n_h + n_kv) * d :].reshape(r * n_kv, d))
+            keys, values = k_cache[li, :r, :, :span], v_cache[li, :r, :, :span]  # [R, Hkv, span, D] views
+            scores = torch.matmul(qk[:, :n_h].view(r, n_kv, n_h // n_kv, d), keys.transpose(-1, -2))
+            probs = torch.softmax(scores.float() + mask, dim=-1).to(values.dtype)
+            h = torch.addmm(h, torch.matmul(probs, values).view(r, n_h * d), w.o_t)
+            gate, up = torch.nn.functional.linear(_rms(h, w.post_norm, eps), w.gate_up).chunk(2, dim=-1)
+            h = torch.addmm(h, torch.nn.functional.silu(gate) * up, w.down_t)
         logits = self.model.lm_head(_rms(h, inner.norm.weight, eps))
         for row in rows:
             row["len"] += 1
-        # sample per distinct sampling config (usually one)
-        by_cfg: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            by_cfg.setdefault(id(row["job"].sampling), []).append(i)
-        for idx in by_cfg.values():
-            sampling = rows[idx[0]]["job"].sampling
-            sel = logits if len(idx) == r else logits[torch.tensor(idx, device=self.device)]
-            token, logp = sample_tokens(sel, sampling, self.generator)
-            for i, tok, lp in zip(idx, token.tolist(), logp.tolist()):
-                self._emit(rows[i], tok, lp)
+        self._sample_rows(logits, list(range(r)))
         self._retire()
+
+    def _sample_rows(self, logits: torch.Tensor, row_ids: list[int]) -> None:
+        """Sample the next token of ``self._rows[i]`` from ``logits[j]`` for each ``i = row_ids[j]``, one
+        batched draw per distinct sampling config (usually one)."""
+        by_cfg: dict[int, list[int]] = {}
+        for j, i in enumerate(row_ids):
+            by_cfg.setdefault(id(self._rows[i]["job"].sampling), []).append(j)
+        for picks in by_cfg.values():
+            sampling = self._rows[row_ids[picks[0]]]["job"].sampling
+            sel = logits if len(picks) == len(row_ids) else logits[torch.tensor(picks, device=self.device)]
+            token, logp = sample_tokens(sel, sampling, self.generator)
+            for j, tok, lp in zip(picks, token.tolist(), logp.tolist()):
+                self._emit(self._rows[row_ids[j]], tok, lp)
 
     def _emit(self, row: dict[str, Any], token: int, logp: float) -> None:
         """Record one sampled token; mark the row finished on a stop token/string or the budget."""
@@ -425,33 +466,40 @@ class TorchEngine(RolloutEngine):
             row["finish"] = "length"
 
     def _retire(self, reason: str | None = None) -> None:
-        """Move finished rows out; the last live slot fills each hole so live slots stay 0..R-1."""
-        i = 0
-        k_cache, v_cache = self._cache  # type: ignore[misc]
-        while i < len(self._rows):
-            row = self._rows[i]
-            if reason is not None:
+        """Move finished rows out; live rows past the new end fill the holes so live slots stay 0..R-1."""
+        if reason is not None:
+            for row in self._rows:
                 row.setdefault("finish", reason)
-            if "finish" not in row:
-                i += 1
-                continue
-            job: _Job = row["job"]
-            job.results[row["index"]] = GenerationResult(
-                output_ids=row["tokens"],
-                logprobs=row["logprobs"],
-                finish_reason=row["finish"],
-                request_id=job.request.request_id,
-                weight_version=self.weight_version,
-            )
-            job.remaining -= 1
-            if job.remaining == 0:
-                job.done.set()
-            last = len(self._rows) - 1
-            if i != last:
-                k_cache[:, i] = k_cache[:, last]
-                v_cache[:, i] = v_cache[:, last]
-                self._rows[i] = self._rows[last]
-            self._rows.pop()
+        finished = [i for i, row in enumerate(self._rows) if "finish" in row]
+        if not finished:
+            return
+        for i in finished:
+            self._publish(self._rows[i])
+        live = len(self._rows) - len(finished)
+        holes = [i for i in finished if i < live]
+        movers = [i for i in range(live, len(self._rows)) if "finish" not in self._rows[i]]
+        if holes:  # one gather/scatter per cache tensor; holes and movers are disjoint
+            k_cache, v_cache = self._cache  # type: ignore[misc]
+            dst, src = torch.tensor(holes, device=self.device), torch.tensor(movers, device=self.device)
+            k_cache[:, dst] = k_cache[:, src]
+            v_cache[:, dst] = v_cache[:, src]
+            for hole, mover in zip(holes, movers):
+                self._rows[hole] = self._rows[mover]
+        del self._rows[live:]
+
+    def _publish(self, row: dict[str, Any]) -> None:
+        """Store a finished row's result in its job; the job is done once all its samples are."""
+        job: _Job = row["job"]
+        job.results[row["index"]] = GenerationResult(
+            output_ids=row["tokens"],
+            logprobs=row["logprobs"],
+            finish_reason=row["finish"],
+            request_id=job.request.request_id,
+            weight_version=self.weight_version,
+        )
+        job.remaining -= 1
+        if job.remaining == 0:
+            job.done.set()
 
     def _abort_all(self) -> None:
         """Finish live rows with ``abort`` (tokens so far kept) and answer queued jobs with empty aborts."""

@@ -15,7 +15,7 @@ from PIL import Image
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
 from relax_core.engines.base import GenerationRequest, SamplingParams
-from relax_core.engines.torch_engine import TorchEngine, filter_logits
+from relax_core.engines.torch_engine import TorchEngine, filter_logits, sample_tokens
 from relax_core.samples import Sample, TrainBatch
 
 PROMPTS = ["sort 31524:", "sort 9:", "hello there, sort 8080:", "x"]
@@ -122,6 +122,19 @@ def test_filter_logits_top_k_top_p() -> None:
     probs = logits.softmax(-1)[0]  # 0.64, 0.24, 0.09, 0.03
     kept = torch.isfinite(filter_logits(logits, -1, float(probs[0] + 0.01))[0])
     assert kept.tolist() == [True, True, False, False]
+
+
+def test_sampled_frequencies_follow_the_filtered_distribution() -> None:
+    """20k draws from one row: frequencies match softmax(z/T) after top-k, and log-probs are unfiltered."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]]).expand(20_000, -1)
+    generator = torch.Generator().manual_seed(0)
+    sampling = SamplingParams(1, temperature=0.8, top_k=3)
+    token, logp = sample_tokens(logits, sampling, generator)
+    expected = (logits[0, :3] / 0.8).softmax(-1)
+    freq = torch.bincount(token, minlength=4).float() / len(token)
+    assert freq[3] == 0
+    torch.testing.assert_close(freq[:3], expected, atol=0.015, rtol=0)
+    torch.testing.assert_close(logp, torch.log_softmax(logits / 0.8, -1).gather(-1, token[:, None])[:, 0])
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="bf16 matmul needs oneDNN")
