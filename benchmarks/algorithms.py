@@ -91,11 +91,12 @@ def plot(results: list[dict], path: Path) -> None:
     ok = [r for r in results if "error" not in r]
     names = [n for n in ALGORITHMS if any(r["algorithm"] == n for r in ok)]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for name in names:
+    colors = plt.get_cmap("tab20").colors  # 11 algorithms: the default 10-colour cycle would repeat one
+    for index, name in enumerate(names):
         curves = [r["curve"] for r in ok if r["algorithm"] == name]
         length = min(len(c) for c in curves)
         mean = [statistics.fmean(c[i] for c in curves) for i in range(length)]
-        left.plot(range(1, length + 1), mean, label=name)
+        left.plot(range(1, length + 1), mean, label=name, color=colors[index], lw=1.2)
     left.set(xlabel="RL step", ylabel="train reward (mean over seeds)", title="reward")
     left.legend(fontsize=7, ncol=2)
     accs = [[r["eval_accuracy"] or 0.0 for r in ok if r["algorithm"] == n] for n in names]
