@@ -8,6 +8,7 @@ swaps weights between steps, and can be paused, resumed and aborted around a wei
 from __future__ import annotations
 
 import abc
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +81,9 @@ class RolloutEngine(abc.ABC):
     def resume(self) -> None:
         """Admit work again after :meth:`pause`."""
 
-    def abort(self) -> None:
-        """Cut in-flight generations short; they return with ``finish_reason="abort"``."""
+    def abort(self, request_ids: Collection[str] | None = None) -> None:
+        """Cut in-flight generations short (all, or those of ``request_ids``); they return with
+        ``finish_reason="abort"`` and the tokens generated so far."""
 
     def health(self) -> bool:
         return True

@@ -8,6 +8,7 @@ sent concurrently so the server batches them; weights move through ``/update_wei
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -128,8 +129,11 @@ class HttpEngine(RolloutEngine):
     def resume(self) -> None:
         self._post("/continue_generation")
 
-    def abort(self) -> None:
-        self._post("/abort_request", {"abort_all": True})
+    def abort(self, request_ids: Collection[str] | None = None) -> None:
+        if request_ids is None:
+            self._post("/abort_request", {"abort_all": True})
+        for rid in request_ids or ():
+            self._post("/abort_request", {"rid": rid})
 
     def flush_cache(self) -> None:
         self._post("/flush_cache")

@@ -152,7 +152,9 @@ def create_app(engine: Any, tokenizer: Any = None, model_path: str = "") -> Fast
 
     @app.post("/abort_request")
     def abort(body: AbortBody) -> dict[str, Any]:
-        engine.abort()
+        if not body.abort_all and not body.rid:
+            raise HTTPException(400, "give rid (the request to abort) or abort_all=true")
+        engine.abort(None if body.abort_all else [body.rid])
         loop.wake.set()
         return {"success": True}
 

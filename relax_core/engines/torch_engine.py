@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +157,8 @@ class TorchEngine(RolloutEngine):
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.fast = fast_path_supported(model)
         self._abort = threading.Event()
+        self._abort_ids: set[str] | None = None  # None: abort everything
+        self._abort_lock = threading.Lock()  # not self._lock: an abort must not wait for a long generation
         self._paused = threading.Event()
         self._lock = threading.RLock()  # one thread steps the engine at a time
         self._queue: deque[_Job] = deque()
@@ -222,8 +225,10 @@ class TorchEngine(RolloutEngine):
         """Admit waiting requests into free slots, then decode one token for every live slot."""
         with self._lock:
             if self._abort.is_set():
-                self._abort_all()
-                self._abort.clear()
+                with self._abort_lock:
+                    targets = self._abort_ids
+                    self._abort.clear()
+                self._abort_requests(targets)
                 return True
             if not self._paused.is_set():
                 self._admit()
@@ -244,8 +249,13 @@ class TorchEngine(RolloutEngine):
     def resume(self) -> None:
         self._paused.clear()
 
-    def abort(self) -> None:
-        self._abort.set()
+    def abort(self, request_ids: Collection[str] | None = None) -> None:
+        with self._abort_lock:  # targets add up until the next step takes them
+            if request_ids is None or self._abort_ids is None and self._abort.is_set():
+                self._abort_ids = None
+            else:
+                self._abort_ids = (self._abort_ids if self._abort.is_set() else set()) | set(request_ids)
+            self._abort.set()
 
     def flush_cache(self) -> None:
         with self._lock:
@@ -465,11 +475,8 @@ class TorchEngine(RolloutEngine):
         if "finish" not in row and len(row["tokens"]) >= sampling.max_new_tokens:
             row["finish"] = "length"
 
-    def _retire(self, reason: str | None = None) -> None:
+    def _retire(self) -> None:
         """Move finished rows out; live rows past the new end fill the holes so live slots stay 0..R-1."""
-        if reason is not None:
-            for row in self._rows:
-                row.setdefault("finish", reason)
         finished = [i for i, row in enumerate(self._rows) if "finish" in row]
         if not finished:
             return
@@ -501,12 +508,19 @@ class TorchEngine(RolloutEngine):
         if job.remaining == 0:
             job.done.set()
 
-    def _abort_all(self) -> None:
-        """Finish live rows with ``abort`` (tokens so far kept) and answer queued jobs with empty aborts."""
-        if self._rows:
-            self._retire("abort")
-        while self._queue:
-            job = self._queue.popleft()
+    def _abort_requests(self, request_ids: set[str] | None) -> None:
+        """Finish the targeted live rows with ``abort`` (tokens so far kept) and answer targeted queued jobs
+        with empty aborts; ``None`` targets every request."""
+
+        def targeted(job: _Job) -> bool:
+            return request_ids is None or job.request.request_id in request_ids
+
+        for row in self._rows:
+            if targeted(row["job"]):
+                row.setdefault("finish", "abort")
+        self._retire()
+        for job in [j for j in self._queue if targeted(j)]:
+            self._queue.remove(job)
             job.results = [
                 GenerationResult([], [], "abort", job.request.request_id, self.weight_version)
                 for _ in job.results

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -57,6 +58,28 @@ def test_generate_speaks_sglang_native_api(server, tokenizer) -> None:
         assert http.post("/pause_generation", json={"mode": "in_place"}).json()["success"]
         assert http.post("/continue_generation").json()["success"]
         assert http.post("/abort_request", json={"abort_all": True}).json()["success"]
+        missing = http.post("/abort_request", json={})
+        assert missing.status_code == 400 and "rid" in missing.text
+
+
+def test_abort_request_by_rid_over_http(server, tokenizer) -> None:
+    url, engine = server
+    ids = tokenizer("sort 5:").input_ids
+    eos, engine.eos_token_ids = engine.eos_token_ids, []  # every sample runs to its budget unless aborted
+    try:
+        with ThreadPoolExecutor(2) as pool, httpx.Client(base_url=url, timeout=120) as http:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 150}}
+            keep = pool.submit(http.post, "/generate", json=body | {"rid": "keep"})
+            stop = pool.submit(http.post, "/generate", json=body | {"rid": "stop"})
+            while engine.num_running() < 2:
+                time.sleep(0.005)
+            assert http.post("/abort_request", json={"rid": "stop"}).json()["success"]
+            kept, stopped = keep.result().json()["meta_info"], stop.result().json()["meta_info"]
+    finally:
+        engine.eos_token_ids = eos
+    assert (kept["id"], kept["finish_reason"]["type"], kept["completion_tokens"]) == ("keep", "length", 150)
+    assert (stopped["id"], stopped["finish_reason"]["type"]) == ("stop", "abort")
+    assert stopped["completion_tokens"] < 150
 
 
 def test_client_matches_in_process_engine_and_updates_weights(

@@ -104,6 +104,23 @@ def test_abort_returns_partial_results(tiny_model_dir: Path, tokenizer) -> None:
     assert all(len(r.output_ids) < 200 for r in out["r"])
 
 
+def test_abort_by_request_id_leaves_other_requests_running(tiny_model_dir: Path, tokenizer) -> None:
+    engine = make_engine(tiny_model_dir, tokenizer)
+    engine.eos_token_ids = []
+    requests = [GenerationRequest(tokenizer("sort 1:").input_ids, rid) for rid in ("keep", "stop")]
+    out = {}
+    worker = threading.Thread(
+        target=lambda: out.update(r=engine.generate(requests, SamplingParams(120, n=2)))
+    )
+    worker.start()
+    while engine.peak_running == 0:
+        time.sleep(0.01)
+    engine.abort(["stop"])
+    worker.join(timeout=120)
+    by_id = {(r.request_id, r.finish_reason, len(r.output_ids) == 120) for r in out["r"]}
+    assert by_id == {("keep", "length", True), ("stop", "abort", False)}
+
+
 def test_weight_update_changes_outputs(tiny_model_dir: Path, tokenizer, model) -> None:
     engine = make_engine(tiny_model_dir, tokenizer)
     request = reqs(tokenizer)[:1]
