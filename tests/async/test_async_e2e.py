@@ -110,11 +110,13 @@ def test_ctrl_c_stops_every_role_and_ray(tmp_path: Path) -> None:
     children = psutil.Process(proc.pid).children(recursive=True)
     assert any("raylet" in " ".join(c.cmdline()) for c in children)  # Ray of this run is up
     proc.send_signal(signal.SIGINT)
-    try:
-        proc.communicate(timeout=120)
+    started = time.monotonic()
+    try:  # generous: tearing down ~10 role processes and Ray on a loaded 2-core CI box takes minutes
+        proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail("the launcher did not exit within 120 s of SIGINT")
+        pytest.fail("the launcher did not exit within 300 s of SIGINT")
+    print(f"exited {time.monotonic() - started:.1f} s after SIGINT")
     assert proc.returncode != 0
     gone, alive = psutil.wait_procs(children, timeout=60)
     assert not alive, [" ".join(p.cmdline())[:120] for p in alive if p.is_running()]
