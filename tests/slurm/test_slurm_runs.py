@@ -28,14 +28,21 @@ SLURM_RUN = [o for o in TINY_RUN if not o.startswith("cluster.")]
 
 
 def _release_requeued(job_id: str, timeout_s: float = 120.0) -> None:
-    """Slurm holds a requeued batch job for ~2 min (BeginTime); an admin may start it now, as here."""
+    """Slurm holds a requeued batch job for ~2 min (BeginTime); an admin may start it early, as here.
+
+    Not at once: slurmd refuses a launch whose credential is from the same second as the kill of the
+    previous attempt ("already killed, do not launch batch job") and the job then FAILS. The hold exists
+    to avoid that; a start a few seconds out keeps clear of it.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         out = subprocess.run(
             ["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True, timeout=15
         ).stdout.split()
         if out[:2] == ["PENDING", "BeginTime"]:
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=15)
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job_id}", "StartTime=now+3"], check=True, timeout=15
+            )
             return
         if out and out[0] == "RUNNING" and _restarts(job_id) >= 1:
             return
