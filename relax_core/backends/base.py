@@ -14,6 +14,35 @@ from relax_core.samples import TrainBatch
 
 # (batch, token_logprobs [B, R], token_entropy [B, R]) -> (scalar loss, metrics)
 LossFn = Callable[[TrainBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+# micro-batch -> (token_logprobs [b, r], token_entropy [b, r]) under the current weights, with grad
+LogprobFn = Callable[[TrainBatch], tuple[torch.Tensor, torch.Tensor]]
+
+
+def accumulate_gradients(
+    batch: TrainBatch, logprob_fn: LogprobFn, loss_fn: LossFn, micro_batch_size: int
+) -> dict[str, float]:
+    """Backward of ``loss_fn`` over the micro-batches of ``batch``; the caller steps the optimizer.
+
+    Returns the metrics averaged over micro-batches, except ``loss``: the micro-batch losses are already
+    scaled for accumulation, so their sum is the batch loss.
+    """
+    sums: dict[str, float] = {}
+    micro_batches = batch.micro_batches(micro_batch_size)
+    for micro in micro_batches:
+        logprobs, entropy = logprob_fn(micro)
+        loss, metrics = loss_fn(micro, logprobs, entropy)
+        loss.backward()
+        metrics["loss"] = float(loss.detach())
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v
+    out = {k: v / len(micro_batches) for k, v in sums.items()}
+    out["loss"] = sums["loss"]
+    return out
+
+
+def pad_to_width(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Concatenate per-micro-batch ``[b, r_i]`` tensors, right-padded with zeros to ``[B, width]``."""
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
 
 class TrainingBackend(abc.ABC):

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
-from relax_core.backends.base import LossFn, TrainingBackend
+from relax_core.backends.base import LossFn, TrainingBackend, accumulate_gradients, pad_to_width
 from relax_core.backends.schedule import lr_multiplier
 from relax_core.backends.torch_backend import rng_state, set_rng_state
 from relax_core.errors import RelaxUserError
@@ -188,8 +188,7 @@ class MegatronBackend(TrainingBackend):
             parts = [self._logprobs_entropy(mb)[0] for mb in batch.micro_batches(micro_batch_size)]
         finally:
             self._set_training(self.trainable)
-        width = batch.loss_mask.shape[1]
-        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+        return pad_to_width(parts, batch.loss_mask.shape[1])
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         if self.optimizer is None:
@@ -198,17 +197,7 @@ class MegatronBackend(TrainingBackend):
         if self._ddp is not None:  # pragma: no cover - needs CUDA
             self._ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        sums: dict[str, float] = {}
-        micro_batches = batch.micro_batches(micro_batch_size)
-        for micro in micro_batches:
-            logprobs, entropy = self._logprobs_entropy(micro)
-            loss, metrics = loss_fn(micro, logprobs, entropy)
-            loss.backward()
-            metrics["loss"] = float(loss.detach())
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-        out = {k: v / len(micro_batches) for k, v in sums.items()}
-        out["loss"] = sums["loss"]
+        out = accumulate_gradients(batch, self._logprobs_entropy, loss_fn, micro_batch_size)
         if self._ddp is not None:  # pragma: no cover - needs CUDA
             from megatron.core.distributed import finalize_model_grads
 

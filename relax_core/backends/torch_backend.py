@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
-from relax_core.backends.base import LossFn, TrainingBackend
+from relax_core.backends.base import LossFn, TrainingBackend, accumulate_gradients, pad_to_width
 from relax_core.backends.schedule import lr_multiplier
 from relax_core.multimodal import multimodal_model_inputs
 from relax_core.samples import TrainBatch
@@ -65,28 +65,16 @@ class TorchBackend(TrainingBackend):
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, micro_batch_size: int = 64) -> torch.Tensor:
         parts = [self._logprobs_entropy(mb)[0] for mb in batch.micro_batches(micro_batch_size)]
-        width = batch.loss_mask.shape[1]
-        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+        return pad_to_width(parts, batch.loss_mask.shape[1])
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         assert self.optimizer is not None, "train_step on a frozen backend"
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        micro_batches = batch.micro_batches(micro_batch_size)
-        for micro in micro_batches:
-            logprobs, entropy = self._logprobs_entropy(micro)
-            loss, metrics = loss_fn(micro, logprobs, entropy)
-            loss.backward()
-            metrics["loss"] = float(loss.detach())
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
+        out = accumulate_gradients(batch, self._logprobs_entropy, loss_fn, micro_batch_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        out = {k: v / len(micro_batches) for k, v in sums.items()}
-        # the weighted micro-batch losses add up to the batch loss
-        out["loss"] = sums["loss"]
         out.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
         return out
 

@@ -1,6 +1,6 @@
 """Each algorithm learns on the default task: a short run in one shared Ray session, reward must rise.
 
-Runs are kept small (the default 40-step warm-start, 40 RL steps at lr 2e-3, the default 16 prompts x 8 samples) so the whole suite fits
+Runs are kept small (a 40-step warm-start, 40 RL steps at lr 2e-3, the default 16 prompts x 8 samples) so the whole suite fits
 the CI budget; the start is weak on purpose so there is room to improve. The comparison is the mean train
 reward of the last 10 steps against the first 10 (DAPO: over every generated sample, before filtering).
 """
@@ -20,6 +20,7 @@ ALGORITHMS = [
 ]  # fmt: skip
 SMALL_RUN = [
     "trainer.total_steps=40",
+    "trainer.sft_warmup_steps=40",
     "trainer.lr=2e-3",
     "trainer.eval_every=0",
     "logger=jsonl",

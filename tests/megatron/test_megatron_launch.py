@@ -146,6 +146,7 @@ def test_cli_reports_one_line_before_ray_starts(tmp_path: Path, overrides: list[
 RUN_STEPS = 30
 COMMON = [
     f"trainer.total_steps={RUN_STEPS}",
+    "trainer.sft_warmup_steps=40",
     "trainer.eval_every=10",
     "cluster.num_cpus=4",
     "logger.plot=false",
