@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
-# The test command of the README. Run it inside the project's venv (see README "Install").
+# The test command of the README. Uses the active Python when relax is installed there, else .venv
+# (created and installed as the README says when missing).
 #  - starts a throwaway single-node Slurm (root + apt needed) so the Slurm tests run; skipped otherwise
 #  - runs the whole pytest suite, slow end-to-end runs included
 #  - fails when pytest collected no tests (its exit code 5)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-python -c "import relax_launch, relax_core" 2>/dev/null || {
-  echo "relax is not installed in this Python; follow the README's install line first" >&2; exit 2; }
+installed() { command -v python >/dev/null && python -c "import relax_launch, relax_core" 2>/dev/null; }
+# on a fresh checkout: the README's install into .venv (torch==2.13.0 first, then the project constrained)
+if ! installed; then
+  [ -x .venv/bin/python ] || { echo "creating .venv" >&2; python3 -m venv .venv || exit 2; }
+  . .venv/bin/activate
+  if ! installed; then
+    echo "installing relax into .venv as the README says" >&2
+    { pip install torch==2.13.0 && pip install -c constraints.txt -e ".[test]"; } || exit 2
+  fi
+fi
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ -x tests/slurm/start_cluster.sh ]; then
   if exports=$(bash tests/slurm/start_cluster.sh 2> /tmp/relax-slurm-start.log); then
