@@ -7,7 +7,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-installed() { command -v python >/dev/null && python -c "import relax_launch, relax_core" 2>/dev/null; }
+# installed, not merely importable from this folder: the distribution is known and its dependencies import
+installed() {
+  command -v python >/dev/null &&
+    python -c "import importlib.metadata as m; m.version('relax'); import torch, hydra, ray" 2>/dev/null
+}
 # on a fresh checkout: the README's install into .venv (torch==2.13.0 first, then the project constrained)
 if ! installed; then
   [ -x .venv/bin/python ] || { echo "creating .venv" >&2; python3 -m venv .venv || exit 2; }
