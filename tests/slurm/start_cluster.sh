@@ -32,6 +32,8 @@ wait_for() {  # wait_for SECONDS DESCRIPTION CMD...
   done
 }
 [ "$(id -u)" = 0 ] || { echo "start_cluster.sh must run as root" >&2; exit 1; }
+# the daemons and runuser live in sbin, which a root shell's PATH may lack (su without -, minimal CI envs)
+export PATH="/usr/local/sbin:/usr/sbin:/sbin:$PATH"
 
 mkdir -p "$D"/{etc,state,spool,log,run,mysql}
 
