@@ -165,71 +165,48 @@ def _fsync_dir(path: Path) -> None:
 # ---------------------------------------------------------------- a run's state (driver side)
 
 
-def save_run(controller, manager: CheckpointManager, step: int, extra: dict[str, Any] | None = None) -> Path:
-    """Checkpoint every stateful piece of a run after ``step``: Actor (model, optimizer, scheduler, RNG),
-    each rollout engine's sampling RNG, the data position, the metrics history and health counters."""
+def save_run(roles, manager: CheckpointManager, step: int, driver: dict[str, Any]) -> Path:
+    """Checkpoint every stateful piece of a run after ``step``: the Actor (model, optimizer, scheduler,
+    RNG) and the Critic when there is one, each rollout engine's sampling RNG, and ``driver`` — the run
+    loop's own state (data position, metrics history, health counters, mode state)."""
     import ray
 
-    c = controller
-
     def write(tmp: Path) -> dict[str, Any]:
-        actor_done = c.actor.call("save_checkpoint", str(tmp / "actor"))
-        algo_roles = getattr(c, "algo_roles", None)  # the PPO Critic trains too
-        if algo_roles is not None:
-            actor_done += algo_roles.save_checkpoint(str(tmp))
-        rng_states = ray.get(c.rollout.call("rng_state"))
+        trainers = roles.actor.call("save_checkpoint", str(tmp / "actor"))
+        if roles.critic is not None:  # the PPO Critic trains too; the Teacher is frozen
+            trainers += roles.critic.call("save_checkpoint", str(tmp / "critic"))
+        rng_states = ray.get(roles.rollout.call("rng_state"))
         for i, state in enumerate(rng_states):
             save_torch(state, tmp / f"rollout_{i}.pt")
-        driver = {
-            "step": step,
-            "stream": c.stream.state_dict(),
-            "history": list(c.sink.history) if c.sink is not None else [],
-            "health": c.health.state_dict() if getattr(c, "health", None) is not None else {},
-            "extra": extra or {},
-            "algo_updates": algo_roles.updates if algo_roles is not None else 0,
-        }
-        bus = getattr(c, "bus", None)  # async mode: staleness / in-flight bookkeeping when it can be saved
-        if bus is not None and hasattr(bus, "state_dict"):
-            driver["bus"] = bus.state_dict()
-        save_torch(driver, tmp / "driver.pt")
-        ray.get(actor_done)
-        return {"rollout_replicas": len(rng_states), "output_dir": str(c.cfg.output_dir)}
+        save_torch({"step": step, **driver}, tmp / "driver.pt")
+        ray.get(trainers)
+        return {"rollout_replicas": len(rng_states)}
 
     path = manager.save(step, write)
     log.info("checkpoint saved: %s", path)
     return path
 
 
-def restore_run(controller, path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_run` into freshly started roles; returns the driver state.
-
-    The rollout engines get the restored weights (version = step) and RNG states, the prompt stream its
-    position, the metrics sink the history up to the checkpoint (later records are dropped from
-    ``metrics.jsonl`` so no step appears twice).
-    """
+def restore_run(roles, path: str | os.PathLike, publish: Callable[[int], None]) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_run` into freshly started ``roles``; ``publish(step)`` then
+    gives every weight consumer the restored policy, and the rollout engines get their RNG states back.
+    Returns the driver state for the run loop to restore."""
     import ray
 
-    c, path = controller, Path(path)
+    path = Path(path)
     driver = load_torch(path / "driver.pt")
     step = int(driver["step"])
-    ray.get(c.actor.call("load_checkpoint", str(path / "actor")))
-    if getattr(c, "algo_roles", None) is not None:
-        c.algo_roles.load_checkpoint(str(path), driver.get("algo_updates", 0))
-    c.push_weights(version=step)
+    refs = roles.actor.call("load_checkpoint", str(path / "actor"))
+    if roles.critic is not None:
+        refs += roles.critic.call("load_checkpoint", str(path / "critic"))
+    ray.get(refs)
+    publish(step)
     refs = []
-    for i, actor in enumerate(c.rollout.actors):
+    for i, actor in enumerate(roles.rollout.actors):
         f = path / f"rollout_{i}.pt"
         if f.is_file():  # a run resumed with more engines: the extra ones keep their fresh seeds
             refs.append(actor.set_rng_state.remote(load_torch(f)))
     ray.get(refs)
-    c.stream.load_state_dict(driver["stream"])
-    bus = getattr(c, "bus", None)
-    if bus is not None and "bus" in driver and hasattr(bus, "load_state_dict"):
-        bus.load_state_dict(driver["bus"])
-    if getattr(c, "health", None) is not None and driver.get("health"):
-        c.health.load_state_dict(driver["health"])
-    if c.sink is not None:
-        rewind_sink(c.sink, step, driver["history"])
     log.info("resumed from %s (step %d)", path, step)
     return driver
 

@@ -161,7 +161,6 @@ class ModeConfig:
     max_staleness: int = 0
     # in-flight generations at a weight swap: "finish" on old weights or "abort" and resume after
     partial_rollout: str = "finish"
-    weight_sync_bucket_mb: int = 64
     # async: sample bus between roles, "ray" (one light actor) or "transferqueue"
     databus: str = "ray"
     # async: prompts per engine call; each finished chunk's groups go to the bus at once (0: whole step)
@@ -170,6 +169,17 @@ class ModeConfig:
     ref_update_interval: int = 0
     # async: CPUs each helper group (ActorFwd, Reference) reserves in its own placement group
     aux_num_cpus: float = 0.25
+
+
+@dataclass
+class WeightTransferConfig:
+    """How new policy weights reach rollout engines, ActorFwd and Reference (``conf/weight_transfer/``):
+    ``auto``, ``shared_memory``, ``object_store``, ``collective`` or ``disk``
+    (relax_core/weight_transfer/)."""
+
+    name: str = "auto"
+    # broadcast bucket size of the collective strategy
+    bucket_mb: float = 64.0
 
 
 @dataclass
@@ -395,6 +405,7 @@ class RelaxConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     modality: ModalityConfig = field(default_factory=ModalityConfig)
     mode: ModeConfig = field(default_factory=ModeConfig)
+    weight_transfer: WeightTransferConfig = field(default_factory=WeightTransferConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

@@ -67,10 +67,21 @@ class HealthCounters:
 
 
 class HealthManager:
-    """One per run, in the driver; ``controller`` exposes its role groups as attributes (RoleGroup)."""
+    """One per run, in the driver. ``groups()`` returns every role group it watches (all of a run's roles,
+    by name); ``on_replaced(role, index, handle)`` is told of every replica restarted in place, so the
+    mode can bring it to the current weights."""
 
-    def __init__(self, controller, trainer_cfg, max_global_restarts: int) -> None:
-        self.c = controller
+    def __init__(
+        self,
+        groups: Callable[[], dict[str, RoleGroup]],
+        trainer_cfg,
+        max_global_restarts: int,
+        output_dir: str,
+        on_replaced: Callable[[str, int, Any], None],
+    ) -> None:
+        self.groups = groups
+        self.on_replaced = on_replaced
+        self.output_dir = output_dir
         self.interval = trainer_cfg.heartbeat_interval_s
         self.timeout = trainer_cfg.heartbeat_timeout_s
         self.max_role_restarts = trainer_cfg.max_role_restarts
@@ -81,15 +92,6 @@ class HealthManager:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # Weight sync runs after the Actor's optimizer step: a rollout engine lost there is replaced and
-        # synced without re-running the step (which would train on the same batch twice).
-        self._push_weights = controller.push_weights
-        controller.push_weights = self.push_weights
-
-    # ------------------------------------------------------------------ role inventory
-    def groups(self) -> dict[str, RoleGroup]:
-        """Every role group the controller holds (rollout, actor, reference, critic, ...)."""
-        return {g.name: g for g in vars(self.c).values() if isinstance(g, RoleGroup)}
 
     # ------------------------------------------------------------------ heartbeats
     def start(self) -> None:
@@ -158,10 +160,11 @@ class HealthManager:
         return dead
 
     # ------------------------------------------------------------------ recovery
-    def run_step(self, step: int, fn: Callable[[int], dict[str, float]]) -> dict[str, float]:
-        """``fn(step)`` with in-place recovery; raises :class:`GlobalRestartNeeded` when that cannot work."""
+    def run_step(self, step: int, fn: Callable[[int], dict[str, float]], stream) -> dict[str, float]:
+        """``fn(step)`` with in-place recovery; raises :class:`GlobalRestartNeeded` when that cannot work.
+        ``stream`` (the prompt stream) is rewound before a retry, so the step draws the same prompts."""
         self.current_step = step
-        stream_state = self.c.stream.state_dict()
+        stream_state = stream.state_dict()
         while True:
             try:
                 metrics = fn(step)
@@ -169,7 +172,7 @@ class HealthManager:
             except ACTOR_FAILURES as err:
                 log.warning("step %d: a role actor failed (%s); recovering", step, type(err).__name__)
                 self.recover_in_place(step)
-                self.c.stream.load_state_dict(stream_state)  # the same prompts again: no step lost
+                stream.load_state_dict(stream_state)  # the same prompts again: no step lost
                 self.counters.step_retries += 1
 
     def guarded(self, fn: Callable[[], Any]) -> Any:
@@ -186,19 +189,21 @@ class HealthManager:
                 )
                 self.recover_in_place(self.current_step + 1)
 
-    def push_weights(self, version: int) -> None:
-        """The controller's weight sync, with dead rollout engines replaced and synced in place."""
+    def retrying(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()`` retried after replacing dead replicas in place, at most ``max_role_restarts`` times.
+
+        For work after the Actor's optimizer step (publishing the new weights): re-running the whole step
+        would train on the same batch twice.
+        """
         for _ in range(self.max_role_restarts + 1):
             try:
-                return self._push_weights(version=version)
+                return fn()
             except ACTOR_FAILURES as err:
-                log.warning(
-                    "weight sync v%d: a role actor failed (%s); recovering", version, type(err).__name__
-                )
-                self.recover_in_place(self.current_step, sync=False)
-        return self._push_weights(version=version)
+                log.warning("%s: a role actor failed (%s); recovering", what, type(err).__name__)
+                self.recover_in_place(self.current_step)
+        return fn()
 
-    def recover_in_place(self, step: int, sync: bool = True) -> None:
+    def recover_in_place(self, step: int) -> None:
         dead = self._dead_replicas()
         if not dead:  # the failure was transient from the loop's point of view; retry as is
             return
@@ -218,8 +223,8 @@ class HealthManager:
             self.counters.role_restarts += 1
             self._event("restart", name, i, f"restart {groups[name].restarts[i]} in place")
         ray.get([groups[n].actors[i].__ray_ready__.remote() for n, i in dead])  # constructed and alive
-        if sync and any(name == "rollout" for name, _ in dead):
-            self.push_weights(version=step - 1)  # the new engine serves the current policy
+        for name, i in dead:
+            self.on_replaced(name, i, groups[name].actors[i])
 
     def begin_global_restart(self, reason: str) -> None:
         """Count a global restart; fail the run with a report when they are exhausted."""
@@ -229,24 +234,19 @@ class HealthManager:
             self._event("give_up", "run", 0, f"more than {self.max_global_restarts} global restarts")
             raise self._fail(f"{reason}; gave up after {self.max_global_restarts} global restarts")
 
-    def global_restart(self, reason: str) -> int:
-        """Restart every role and load the newest checkpoint; returns the step it holds."""
-        from relax_core.checkpoint import latest_checkpoint, restore_run
+    def global_restart(self, reason: str, checkpoints_root) -> Path:
+        """Count a global restart and return the newest checkpoint to restart every role from."""
+        from relax_core.checkpoint import latest_checkpoint
 
         self.begin_global_restart(reason)
-        ckpt = latest_checkpoint(self.c.checkpoints.root)
+        ckpt = latest_checkpoint(checkpoints_root)
         if ckpt is None:
             self._event("give_up", "run", 0, "no checkpoint to restart from (set trainer.save_every > 0)")
             raise self._fail(f"{reason}; no checkpoint to restart from (set trainer.save_every > 0)")
-        self.stop()
-        self.c.stop_roles()
-        self.c.start_roles()
-        driver = restore_run(self.c, ckpt)
-        self.start()
-        return int(driver["step"])
+        return ckpt
 
     def _fail(self, headline: str) -> RunFailedError:
-        self.write_report(self.c.cfg.output_dir, headline)
+        self.write_report(self.output_dir, headline)
         return RunFailedError(self.report(headline))
 
     def metrics(self) -> dict[str, float]:

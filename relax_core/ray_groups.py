@@ -28,8 +28,10 @@ class RoleGroup:
         args: tuple = (),
         pass_replica: bool = False,
         env_vars: list[dict[str, str]] | None = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """``env_vars[i]``: extra environment of replica i (e.g. its ``torch.distributed`` rank)."""
+        """``env_vars[i]``: extra environment of replica i (e.g. its ``torch.distributed`` rank);
+        ``kwargs``: keyword arguments of every replica's constructor (e.g. the DataBus handle)."""
         self.name = name
         remote_cls = ray.remote(role_cls)
         self.restarts = [0] * replicas  # in-place restarts per replica (HealthManager)
@@ -44,7 +46,7 @@ class RoleGroup:
                     pg, placement_group_bundle_index=bundles[i]
                 ),
                 **({"runtime_env": {"env_vars": env_vars[i]}} if env_vars else {}),
-            ).remote(*args, **({"replica": i} if pass_replica else {}))
+            ).remote(*args, **(kwargs or {}), **({"replica": i} if pass_replica else {}))
 
         self._spawn = spawn
         self.actors = [spawn(i) for i in range(replicas)]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-import shutil
 import threading
 import time
 import uuid
@@ -136,9 +135,8 @@ class RolloutPool(RoleGroup):
         self.weights_lock = threading.Lock()  # weight pushes and new-engine syncs never interleave
         self._seq = itertools.count()
         self.members: dict[str, Member] = {}
-        self._weights: Any = None
         self._version: int | None = None
-        self._disk: dict[int, str] = {}
+        self.transfer = None  # attach()
         self.requests: dict[str, ScaleRequest] = {}
         self.last_generate: dict[str, float] = {}
         for i in range(r.num_engines):
@@ -320,48 +318,52 @@ class RolloutPool(RoleGroup):
         return dict(self.last_generate)
 
     # ------------------------------------------------------------------ weights
-    def _disk_weights(self, version: int) -> str:
-        """The current weights as an HF folder under the run dir (external engines load it by path)."""
-        if version not in self._disk:
-            from relax_core.engines.client import save_weights_folder
+    def attach(self, transfer) -> None:
+        """The run's :class:`~relax_core.weight_transfer.WeightTransfer`; its ``policy`` set is the launch
+        engines. Scaled engines get each version through ``deliver``; external servers reload an HF folder."""
+        from relax_core.weight_transfer.disk import DiskChannel, DiskSpec
 
-            root = Path(self.cfg.output_dir) / "rollout_weights"
-            folder = save_weights_folder(ray.get(self._weights), self.model_path, root / f"v{version}")
-            self._disk[version] = str(folder.resolve())
-            for old in sorted(self._disk)[:-2]:
-                shutil.rmtree(self._disk.pop(old), ignore_errors=True)
-        return self._disk[version]
+        self.transfer = transfer
+        self._disk = DiskChannel(
+            DiskSpec(str(Path(self.cfg.output_dir) / "rollout_weights"), self.model_path)
+        )
+        self._disk_path: tuple[int, str] | None = None
+
+    def _disk_folder(self, version: int) -> str:
+        """The weights of ``version`` as an HF folder under the run dir (external engines load it by path)."""
+        if self._disk_path is None or self._disk_path[0] != version:
+            state = ray.get(self.transfer.source.actors[0].state_dict.remote())
+            self._disk_path = (version, self._disk.send(state, version))
+        return self._disk_path[1]
 
     def _sync_refs(self, members: list[Member]) -> list[tuple[Member, Any]]:
+        """Bring elastic ``members`` to the current version."""
         refs = []
         for m in members:
             if m.kind == "external":
-                refs.append(
-                    (
-                        m,
-                        m.handle.update_weights_from_disk.remote(
-                            self._disk_weights(self._version), self._version
-                        ),
-                    )
-                )
-            else:
-                refs.append((m, self._handle(m).update_weights.remote(self._weights, self._version)))
+                folder = self._disk_folder(self._version)
+                refs.append((m, m.handle.update_weights_from_disk.remote(folder, self._version)))
+            elif m.kind == "scaled":
+                refs.append((m, self.transfer.deliver(m.handle)))
         return refs
 
-    def push_weights(self, weights: Any, version: int) -> None:
-        """Send ``weights`` (an ObjectRef of a state dict) to every member; later joiners get them too."""
+    def push_weights(self, version: int) -> None:
+        """Publish ``version`` to every member; engines that join later get it too."""
         with self.weights_lock:
-            self._weights, self._version = weights, version
+            t = time.perf_counter()
+            self._version = version
+            ray.get(
+                self.transfer.publish_refs(version)
+            )  # launch engines: a failure goes to the HealthManager
             with self.lock:
-                members = list(self.members.values())
+                members = [m for m in self.members.values() if m.kind != "launch"]
             for member, ref in self._sync_refs(members):
                 try:
                     ray.get(ref)
                 except Exception:
-                    if member.kind == "launch":
-                        raise
                     log.warning("weight push to %s failed; it stops serving until healthy", member.id)
                     self.router.mark_unhealthy(member.id)
+            self.transfer.finished(version, time.perf_counter() - t)
 
     # ------------------------------------------------------------------ scale-out
     def _busy(self) -> ScaleRequest | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import relax_rewards
 from relax_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from relax_core.errors import RelaxUserError
+from relax_core.weight_transfer import STRATEGIES
 
 
 def _check_choice(key: str, value: str, choices: list[str]) -> None:
@@ -74,8 +75,11 @@ def validate(cfg) -> None:
         from relax_core.agentic.validation import validate_agentic
 
         validate_agentic(cfg)
+    _check_choice("weight_transfer", cfg.weight_transfer.name, STRATEGIES)
+    if cfg.weight_transfer.bucket_mb <= 0:
+        raise RelaxUserError(f"weight_transfer.bucket_mb must be > 0, got {cfg.weight_transfer.bucket_mb}")
     if cfg.mode.name == "async":
-        from relax_core.async_loop import validate_async
+        from relax_core.modes.asynchronous import validate_async
 
         validate_async(cfg)
     from relax_core.engines import ENGINES, engine_dtype

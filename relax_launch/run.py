@@ -1,4 +1,4 @@
-"""compose (Hydra) -> validate -> resolve -> start Ray -> run the controller -> report."""
+"""compose (Hydra) -> validate -> resolve -> start Ray -> run the loop (relax_core/run_loop.py) -> report."""
 
 from __future__ import annotations
 
@@ -49,18 +49,18 @@ def run_experiment(cfg: DictConfig, in_allocation: bool = False) -> dict[str, An
     if sweep_uri and config.logger.tracking_uri is None:
         config.logger.tracking_uri = cfg.logger.tracking_uri = sweep_uri
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    from relax_core.controller import Controller
     from relax_core.health import RunFailedError
     from relax_core.notify import Notifier
+    from relax_core.run_loop import RunLoop
 
     notifier = Notifier(
         config.logger.notify_urls, config.logger.run_name or os.path.basename(config.output_dir)
     )
-    controller = Controller(config, resolved)  # loads model folder and data: user errors surface here
+    loop = RunLoop(config, resolved)  # loads model folder and data: user errors surface here
     connect_ray(config.cluster, runtime_env={"env_vars": QUIET_ENV})
     notifier.send("start", f"run started: {config.output_dir} ({config.trainer.total_steps} steps)")
     try:
-        summary = controller.run()
+        summary = loop.run()
     except BaseException as err:
         text = str(err) if isinstance(err, RunFailedError) else f"{type(err).__name__}: {err}"
         log.error("%s", text)

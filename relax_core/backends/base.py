@@ -57,6 +57,13 @@ class TrainingBackend(abc.ABC):
         ``loss_fn`` is called per micro-batch and must return a loss already scaled for accumulation.
         """
 
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every accumulated gradient by ``factor`` (a streamed batch learns its loss denominator
+        only after its last micro-batch)."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
     @abc.abstractmethod
     def reset_optimizer(self, lr: float) -> None:
         """Fresh optimizer state at learning rate ``lr`` (between phases, e.g. warm-start -> RL)."""

@@ -1,26 +1,47 @@
-"""Actor role: the policy under training. It also serves as ActorFwd (old log-probs) in colocate mode."""
+"""Actor role: the policy under training. A second instance with no optimizer steps serves as ActorFwd
+(log-probs of the behaviour policy) when a rollout batch is split into several optimizer steps."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, critic_warming_up
 from relax_core.algorithms.masked import masked_mean
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
 from relax_core.backends import build_backend
+from relax_core.databus import DataBus, partition_name, sample_key
+from relax_core.databus.stages import MicroStream, score_stage
 from relax_core.samples import TrainBatch
+from relax_core.weight_transfer import WeightReceiver, WeightSource
+from relax_models.loader import load_tokenizer
 
 
-class Actor:
-    def __init__(self, cfg, model_path: str, replica: int = 0) -> None:
+def staleness_metrics(versions: list[int], trained_version: int) -> dict[str, float]:
+    """staleness = version the Actor trains from − version that generated the sample (0 = on-policy)."""
+    lags = [trained_version - v for v in versions] or [0]
+    return {
+        "staleness/min": float(min(lags)),
+        "staleness/mean": sum(lags) / len(lags),
+        "staleness/max": float(max(lags)),
+    }
+
+
+class Actor(WeightSource, WeightReceiver):
+    def __init__(self, cfg, model_path: str, replica: int = 0, bus: DataBus | None = None) -> None:
         """``replica``: this process's rank in a model-parallel Actor group (megatron world > 1).
 
         Every rank gets every call with the same batch and runs it collectively; only rank 0 returns
-        weights (:meth:`state_dict`), the others return an empty dict.
+        weights (:meth:`state_dict`), the others return an empty dict. ``bus``: the DataBus it reads its
+        steps from in mode=async.
         """
         torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
         self.rank = replica
+        self.bus = bus
+        self.pad = load_tokenizer(model_path).pad_token_id if bus is not None else 0
         self.backend = build_backend(
             cfg.trainer.backend,
             model_path,
@@ -74,6 +95,73 @@ class Actor:
                     metrics[k] = metrics.get(k, 0.0) + v
                 updates += 1
         return {k: v / updates for k, v in metrics.items()} | {"optimizer_steps": float(updates)}
+
+    def train_from_bus(self, step: int, total: int, need: list[str], extras: list[str]) -> dict[str, float]:
+        """mode=async: :meth:`train` on step ``step``'s rows as they land on the bus (micro-batches stream
+        into the backend as soon as their fields are ready); then keeps version ``step`` to publish."""
+        algo, trainer = self.cfg.algorithm, self.cfg.trainer
+        if critic_warming_up(algo, step):  # PPO: the policy waits for the critic, version ``step`` = step−1
+            self.weights_snapshot(step)
+            return FROZEN_ACTOR_METRICS | {"optimizer_steps": 0.0} | staleness_metrics([], step - 1)
+        global_size = trainer.global_batch_size or total
+        keys = [sample_key(i) for i in range(total)]
+        part = partition_name(step)
+        sums: dict[str, float] = {}
+        updates, wait_s, versions = 0, 0.0, []
+        t0 = time.perf_counter()
+        for epoch in range(algo.ppo_epochs):
+            for start in range(0, total, global_size):
+                stream = MicroStream(
+                    self.bus,
+                    self.pad,
+                    part,
+                    keys[start : start + global_size],
+                    need,
+                    extras,
+                    algo,
+                    self.backend,
+                )
+
+                def loss_fn(micro, logprobs, entropy):
+                    loss, m = policy_objective(
+                        micro, logprobs, entropy, algo, micro_batch_weight(micro, 1.0, 1, algo)
+                    )
+                    mask, lp = micro.loss_mask, logprobs.detach()
+                    m["off_policy/train_rollout_abs_diff"] = float(
+                        masked_mean((lp - micro.rollout_logprobs).abs(), mask)
+                    )
+                    if "old_logprobs" in micro.extras:
+                        m["off_policy/old_rollout_abs_diff"] = float(
+                            masked_mean((micro.extras["old_logprobs"] - micro.rollout_logprobs).abs(), mask)
+                        )
+                    return loss, m
+
+                out = self.backend.train_step(stream, loss_fn, trainer.micro_batch_size)
+                out["loss"] = out["loss"] / max(stream.total_weight, 1.0)
+                for k, v in out.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                updates += 1
+                wait_s += stream.wait_s
+                if epoch == 0:
+                    versions += stream.versions
+        self.bus.consume(part, keys, "actor")
+        self.weights_snapshot(step)
+        metrics = {k: v / updates for k, v in sums.items()} | {"optimizer_steps": float(updates)}
+        metrics |= staleness_metrics(versions, step - 1)
+        metrics["time/actor_data_wait_s"] = wait_s
+        metrics["time/actor_busy_s"] = time.perf_counter() - t0 - wait_s
+        return metrics
+
+    def process(self, step: int, total: int) -> dict[str, float]:
+        """As ActorFwd (mode=async): the behaviour policy's log-probs (version N−1) of step N's rows."""
+        chunk = self.cfg.trainer.micro_batch_size
+        return score_stage(
+            self.bus, self.pad, step, total, "actor_fwd", "old_logprobs", chunk, self.compute_log_probs
+        )
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """As ActorFwd: follow the policy's published versions."""
+        self.backend.load_state_dict(state_dict)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         weights = self.backend.state_dict()  # collective: every rank gathers its shards

@@ -8,6 +8,9 @@ import torch
 
 from relax_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 from relax_core.algorithms.advantages import distillation_advantages
+from relax_core.databus import DataBus
+from relax_core.databus.records import SAMPLE_FIELDS, batch_from_rows, per_sample
+from relax_core.databus.stages import stream_stage
 from relax_core.samples import TrainBatch
 
 
@@ -17,8 +20,22 @@ def behaviour_logprobs(batch: TrainBatch) -> torch.Tensor:
 
 
 class Advantages:
-    def __init__(self, cfg) -> None:
+    def __init__(
+        self,
+        cfg,
+        bus: DataBus | None = None,
+        pad_token_id: int = 0,
+        inputs: tuple[str, ...] = (),
+        group_local: bool = False,
+    ) -> None:
+        """``bus`` (mode=async): the step's rows are read from it; ``inputs`` are the per-token fields the
+        estimator waits for besides the Rollout's, and ``group_local`` estimators run per prompt group as
+        groups land instead of once per step."""
         self.cfg = cfg.algorithm
+        self.group_size = cfg.rollout.n_samples_per_prompt
+        self.bus, self.pad, self.inputs, self.group_local = bus, pad_token_id, list(inputs), group_local
+        if bus is not None:  # tiny tensor ops: a thread pool per core would only contend with the roles
+            torch.set_num_threads(1)
 
     def estimator_inputs(self, batch: TrainBatch) -> dict:
         """Every optional input an estimator may take; each estimator receives the ones it names."""
@@ -56,3 +73,16 @@ class Advantages:
                 teacher.coef,
             )
         return advantages
+
+    def process(self, step: int, total: int) -> dict[str, float]:
+        """mode=async: advantages of step ``step``'s rows into the bus."""
+
+        def fn(keys, rows):
+            batch = batch_from_rows(rows, self.pad, self.inputs)
+            return {"advantages": per_sample(self.compute(batch), batch)}
+
+        need = SAMPLE_FIELDS + self.inputs
+        waited = stream_stage(
+            self.bus, step, total, need, "advantages", total, fn, not self.group_local, self.group_size
+        )
+        return {"time/advantages_wait_s": waited}

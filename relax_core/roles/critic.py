@@ -9,8 +9,11 @@ import torch
 from relax_core.algorithms.advantages import gae, last_token_rewards
 from relax_core.algorithms.logprobs import response_positions
 from relax_core.algorithms.value import clipped_value_loss
+from relax_core.databus import DataBus, partition_name, sample_key
+from relax_core.databus.records import SAMPLE_FIELDS, batch_from_rows
+from relax_core.databus.stages import score_stage
 from relax_core.samples import TrainBatch
-from relax_models.loader import load_causal_lm
+from relax_models.loader import load_causal_lm, load_tokenizer
 
 
 class ValueModel(torch.nn.Module):
@@ -36,8 +39,10 @@ class ValueModel(torch.nn.Module):
 
 
 class Critic:
-    def __init__(self, cfg, model_path: str) -> None:
+    def __init__(self, cfg, model_path: str, bus: DataBus | None = None) -> None:
         torch.set_num_threads(cfg.trainer.num_threads)
+        self.bus = bus
+        self.pad = load_tokenizer(model_path).pad_token_id if bus is not None else 0
         torch.manual_seed(cfg.seed + 17)
         if cfg.algorithm.critic is None:
             raise ValueError("the Critic role needs algorithm.critic")
@@ -55,6 +60,23 @@ class Critic:
         parts = [self.model(mb) for mb in batch.micro_batches(self.cfg.micro_batch_size)]
         width = batch.loss_mask.shape[1]
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+    def process(self, step: int, total: int) -> dict[str, float]:
+        """mode=async: write ``values`` for every row of step N, then fit them on the whole step (the values
+        of step N+1 therefore come from the critic trained on step N, as in colocate)."""
+        metrics = score_stage(
+            self.bus,
+            self.pad,
+            step,
+            total,
+            "critic",
+            "values",
+            self.cfg.micro_batch_size,
+            self.compute_values,
+        )
+        keys = [sample_key(i) for i in range(total)]
+        rows = self.bus.get(partition_name(step), keys, SAMPLE_FIELDS + ["values"])
+        return metrics | self.fit(batch_from_rows(rows, self.pad, ["values"]))
 
     def fit(self, batch: TrainBatch) -> dict[str, float]:
         """Regress on the GAE returns R_t = A_t + V_t of ``batch`` (rewards and ``extras['values']``)."""

@@ -8,13 +8,19 @@ import torch
 
 from relax_core.backends import build_backend
 from relax_core.config import MegatronParallelConfig
+from relax_core.databus import DataBus
+from relax_core.databus.stages import score_stage
 from relax_core.samples import TrainBatch
+from relax_core.weight_transfer import WeightReceiver
+from relax_models.loader import load_tokenizer
 
 
-class Reference:
-    def __init__(self, cfg, model_path: str) -> None:
+class Reference(WeightReceiver):
+    def __init__(self, cfg, model_path: str, bus: DataBus | None = None) -> None:
         torch.set_num_threads(cfg.trainer.num_threads)
         self.micro_batch_size = cfg.trainer.micro_batch_size
+        self.bus = bus
+        self.pad = load_tokenizer(model_path).pad_token_id if bus is not None else 0
         trainer_cfg = cfg.trainer
         if trainer_cfg.backend == "megatron":  # a frozen scorer runs alone: no model-parallel group
             trainer_cfg = dataclasses.replace(trainer_cfg, megatron=MegatronParallelConfig())
@@ -31,5 +37,19 @@ class Reference:
     def compute_ref_log_probs(self, batch: TrainBatch) -> torch.Tensor:
         return self.backend.forward_logprobs(batch, self.micro_batch_size)
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def process(self, step: int, total: int) -> dict[str, float]:
+        """mode=async: ref log-probs of step ``step``'s rows, as they land on the bus."""
+        return score_stage(
+            self.bus,
+            self.pad,
+            step,
+            total,
+            "reference",
+            "ref_logprobs",
+            self.micro_batch_size,
+            self.compute_ref_log_probs,
+        )
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int = 0) -> None:
+        """The warm-started policy (and, with ``mode.ref_update_interval``, later versions)."""
         self.backend.load_state_dict(state_dict)

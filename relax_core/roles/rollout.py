@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+from typing import Any
+
 import torch
 
+from relax_core.algorithm_roles import shape_rewards, with_spread
+from relax_core.databus import DataBus, partition_name, sample_key
+from relax_core.databus.records import sample_rows
+from relax_core.databus.stages import prompt_groups
 from relax_core.engines import build_engine
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from relax_core.engines.resumable import ResumableEngine
 from relax_core.multimodal import MediaPrompts
 from relax_core.samples import PromptRecord, Sample, SampleStatus
+from relax_core.weight_transfer import WeightReceiver
 from relax_models.loader import load_tokenizer
 from relax_rewards.executor import RewardExecutor, RewardItem
 
@@ -18,15 +28,27 @@ FINISH_STATUS = {
 }
 
 
-class Rollout:
-    """One rollout engine plus the reward executor; replicas split a step's prompts between them."""
+class Rollout(WeightReceiver):
+    """One rollout engine plus the reward executor; replicas split a step's prompts between them.
 
-    def __init__(self, cfg, model_path: str, replica: int = 0, engine_url: str | None = None) -> None:
+    ``generate`` returns scored samples to the caller (colocate); ``produce`` writes them to the DataBus
+    ``bus`` chunk by chunk (async). New weights may arrive while it generates (``load_weights``).
+    """
+
+    def __init__(
+        self,
+        cfg,
+        model_path: str,
+        replica: int = 0,
+        engine_url: str | None = None,
+        bus: DataBus | None = None,
+    ) -> None:
         torch.set_num_threads(cfg.rollout.num_threads)
         self.cfg = cfg
+        self.bus = bus
         self.tokenizer = load_tokenizer(model_path)
         # engine_url: an external SGLang-compatible server this actor drives over HTTP (elastic scale-out)
-        self.engine = build_engine(
+        engine = build_engine(
             cfg.rollout.engine,
             model_path,
             self.tokenizer,
@@ -35,6 +57,7 @@ class Rollout:
             rollout_cfg=cfg.rollout,
             engine_url=engine_url,
         )
+        self.engine = ResumableEngine(engine, cfg.mode.partial_rollout)
         self.rewards = RewardExecutor.from_config(cfg.reward)
         # multimodal prompts arrive with media references; their tensors are built here, once per prompt,
         # and the prompt's n samples reference them
@@ -100,8 +123,62 @@ class Rollout:
             sample.reward_extras = dict(outcome.extras)
             sample.reward_extras["reward_error"] = float(outcome.error is not None)
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        self.engine.update_weights(state_dict, version)
+    def produce(self, step: int, prompts: list, slots: list[int], last_round: bool = True) -> dict[str, Any]:
+        """Generate and score ``prompts`` chunk by chunk, writing whole prompt groups into the step's group
+        ``slots`` on the bus (slot g holds positions g·n … g·n+n−1) as each chunk finishes.
+
+        Dynamic sampling writes only groups with reward spread and stops once its slots are full; in the
+        last round the slots still free get zero-spread groups with a zeroed loss mask, so the step keeps
+        its size and the Actor's stream its shape, but those groups add nothing to the loss.
+        """
+        r, a = self.cfg.rollout, self.cfg.algorithm
+        n, chunk = r.n_samples_per_prompt, self.cfg.mode.rollout_chunk_prompts or len(prompts)
+        out: dict[str, Any] = {"rewards": [], "extras": [], "lens": [], "versions": [], "put_s": 0.0}
+        out |= {"filled": [], "kept_groups": 0, "generated_groups": 0, "generated_rewards": []}
+        free, spare = list(slots), []
+        t0 = time.perf_counter()
+        for c in range(0, len(prompts), chunk):
+            if not free:
+                break
+            samples = shape_rewards(self.generate(prompts[c : c + chunk]), a, r.max_new_tokens)
+            out["generated_groups"] += len(samples) // n
+            out["generated_rewards"] += [s.reward for s in samples]
+            kept = with_spread(samples) if a.dynamic_sampling else samples
+            kept_ids = {id(s) for s in kept}
+            spare += [s for s in samples if id(s) not in kept_ids]
+            groups = prompt_groups(kept, n)[: len(free)]
+            out["kept_groups"] += len(groups)
+            free = self._write(step, groups, free, out)
+        if last_round and free:
+            filler = [
+                [replace(s, loss_mask=[0] * len(s.loss_mask)) for s in g] for g in prompt_groups(spare, n)
+            ]
+            free = self._write(step, filler[: len(free)], free, out)
+        out["wall_s"] = time.perf_counter() - t0
+        out["resumed"] = self.engine.resumed
+        return out
+
+    def _write(
+        self, step: int, groups: list[list[Sample]], free: list[int], out: dict[str, Any]
+    ) -> list[int]:
+        """Put ``groups`` into the first free slots (one bus call); returns the slots still free."""
+        if not groups:
+            return free
+        n = self.cfg.rollout.n_samples_per_prompt
+        used, samples = free[: len(groups)], [s for g in groups for s in g]
+        _, fields = sample_rows(samples, 0)
+        t = time.perf_counter()
+        self.bus.put(partition_name(step), [sample_key(g * n + j) for g in used for j in range(n)], fields)
+        out["put_s"] += time.perf_counter() - t
+        out["filled"] += used
+        out["rewards"] += [s.reward for s in samples]
+        out["extras"] += [s.reward_extras for s in samples]
+        out["lens"] += [len(s.response_ids) for s in samples]
+        out["versions"] += [s.policy_version for s in samples]
+        return free[len(groups) :]
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self.engine.swap(state_dict, version)
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
         """Weights from an HF folder (external engines load it themselves, by path)."""

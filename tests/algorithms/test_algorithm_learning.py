@@ -43,7 +43,7 @@ def teacher_cache(tmp_path_factory):
 
 
 def run_algorithm(name: str, out_dir, extra: list[str]) -> tuple[dict, list[dict]]:
-    from relax_core.controller import Controller
+    from relax_core.run_loop import RunLoop
     from relax_core.validation import validate
 
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
@@ -51,9 +51,9 @@ def run_algorithm(name: str, out_dir, extra: list[str]) -> tuple[dict, list[dict
     cfg.output_dir = str(out_dir)
     config = OmegaConf.to_object(cfg)
     validate(config)
-    controller = Controller(config, OmegaConf.to_container(cfg, resolve=True))
-    summary = controller.run()
-    return summary, [m for m in controller.sink.history if m.get("step", 1) > 0]
+    loop = RunLoop(config, OmegaConf.to_container(cfg, resolve=True))
+    summary = loop.run()
+    return summary, [m for m in loop.sink.history if m.get("step", 1) > 0]
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from relax_core.algorithm_roles import AlgorithmRoles
+from relax_core.algorithm_roles import collect_with_dynamic_sampling, critic_warming_up
 from relax_core.config import DataConfig, TeacherConfig
 from relax_core.errors import RelaxUserError
 from relax_core.roles.advantages import Advantages
@@ -119,7 +119,6 @@ def test_advantages_role_opd_and_reward_side_kl():
 
 def test_dynamic_sampling_refills_with_groups_that_have_signal():
     cfg = typed("algorithm=dapo", "rollout.batch_size=2", "rollout.n_samples_per_prompt=2")
-    roles = AlgorithmRoles(cfg, model_path="unused")
     # rounds of (group id -> (rewards, response lengths)); lengths near max_new_tokens=8 get penalised
     rounds = iter(
         [
@@ -139,23 +138,18 @@ def test_dynamic_sampling_refills_with_groups_that_have_signal():
         ]
 
     prompts = [PromptRecord(0, [1], "p"), PromptRecord(1, [1], "q")]
-    samples = roles.collect(generate, lambda: prompts)
+    samples, m = collect_with_dynamic_sampling(lambda: generate(prompts), cfg.algorithm, 2, 8)
     assert calls == [2, 2]
     assert sorted({s.group_id for s in samples}) == [1, 3]
     penalised = [s for s in samples if s.group_id == 3 and len(s.response_ids) == 7][0]
     assert (
         penalised.reward == pytest.approx(0.5 - 0.5) and penalised.reward_extras["overlong_penalty"] == -0.5
     )
-    m = roles.metrics()
     assert m["dynamic_sampling/gen_batches"] == 2.0
     assert m["dynamic_sampling/kept_group_frac"] == pytest.approx(0.5)
 
 
 def test_critic_warmup_freezes_actor_for_the_configured_steps():
     cfg = typed("algorithm=ppo", "algorithm.critic.warmup_steps=2")
-    roles = AlgorithmRoles(cfg, model_path="unused")
-    frozen = []
-    for _ in range(4):
-        roles.update_critic(make_batch([1.0], [1], [0]))  # no Critic group started: counts the step only
-        frozen.append(roles.actor_frozen())
+    frozen = [critic_warming_up(cfg.algorithm, step) for step in range(1, 5)]
     assert frozen == [True, True, False, False]

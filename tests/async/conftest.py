@@ -18,7 +18,7 @@ def ray_cluster() -> Iterator[None]:
     # test modules are not importable in Ray workers: ship their classes by value
     from ray import cloudpickle
 
-    for name in ("test_databus", "test_weight_sync"):
+    for name in ("test_databus", "test_weight_transfer"):
         if name in sys.modules:
             cloudpickle.register_pickle_by_value(sys.modules[name])
     ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)

@@ -8,9 +8,9 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from relax_core.async_loop import BusRollout
 from relax_core.databus import InMemoryDataBus, partition_name
 from relax_core.databus.records import SAMPLE_FIELDS
+from relax_core.roles.rollout import Rollout
 from relax_core.samples import PromptRecord
 from relax_launch.cli import CONFIG_MODULE
 from relax_models.loader import load_tokenizer
@@ -44,15 +44,15 @@ def compose_cfg(out_dir, *overrides: str):
 
 
 def run_async(out_dir, *overrides: str) -> tuple[dict, list[dict]]:
-    from relax_core.controller import Controller
+    from relax_core.run_loop import RunLoop
     from relax_core.validation import validate
 
     cfg = compose_cfg(out_dir, *overrides)
     config = OmegaConf.to_object(cfg)
     validate(config)
-    controller = Controller(config, OmegaConf.to_container(cfg, resolve=True))
-    summary = controller.run()
-    return summary, [m for m in controller.sink.history if m.get("step", 0) > 0]
+    loop = RunLoop(config, OmegaConf.to_container(cfg, resolve=True))
+    summary = loop.run()
+    return summary, [m for m in loop.sink.history if m.get("step", 0) > 0]
 
 
 @pytest.mark.slow
@@ -102,7 +102,7 @@ def test_dynamic_sampling_rollout_fills_slots_with_spread_groups_or_masked_fille
         compose_cfg(tmp_path, "algorithm=dapo", "rollout.top_k=1", "algorithm.overlong_buffer=0")
     )
     bus = InMemoryDataBus()
-    rollout = BusRollout(cfg, str(model), bus)
+    rollout = Rollout(cfg, str(model), bus=bus)
     tok = load_tokenizer(str(model))
     prompts = [PromptRecord(i, tok(f"sort {i}3:").input_ids, f"sort {i}3:", label="3") for i in range(3)]
     first = rollout.produce(1, prompts, [5, 6, 7], last_round=False)

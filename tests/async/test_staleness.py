@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from relax_core.async_loop import StalenessGate, complete_groups, staleness_metrics
 from relax_core.databus import sample_key
+from relax_core.databus.stages import complete_groups
+from relax_core.modes.asynchronous import StalenessGate
+from relax_core.roles.actor import staleness_metrics
 
 
 def test_gate_bounds_rollout_ahead_of_training() -> None:
@@ -56,7 +58,7 @@ def test_staleness_metrics() -> None:
         ("mode.databus=kafka", "mode.databus='kafka' is not one of"),
         ("mode.partial_rollout=drop", "mode.partial_rollout='drop'"),
         ("mode.max_staleness=-1", "mode.max_staleness must be >= 0"),
-        ("mode.weight_sync_bucket_mb=0", "mode.weight_sync_bucket_mb must be > 0"),
+        ("weight_transfer.bucket_mb=0", "weight_transfer.bucket_mb must be > 0"),
         ("trainer.resume=auto", "trainer.resume is not supported with mode=async"),
         ("trainer.save_every=5", "trainer.save_every: checkpoints of mode=async"),
     ],

@@ -91,7 +91,7 @@ def test_actor_train_changes_weights_and_returns_metrics(
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     # the rollout engine picks the new weights up
-    rollout.update_weights(after, version=1)
+    rollout.load_weights(after, version=1)
     assert {s.policy_version for s in rollout.generate(prompts)} == {1}
 
 

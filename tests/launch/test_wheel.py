@@ -69,7 +69,7 @@ def test_wheel_contains_every_config_file(wheel: Path) -> None:
     assert expected - names == set(), f"missing from the wheel: {sorted(expected - names)}"
     for package in ("relax_launch", "relax_core", "relax_rewards", "relax_models"):
         assert f"{package}/__init__.py" in names
-    assert "relax_launch/__main__.py" in names and "relax_core/controller.py" in names
+    assert "relax_launch/__main__.py" in names and "relax_core/run_loop.py" in names
     assert not any(n.startswith("tests/") for n in names)
 
 

@@ -1,59 +1,26 @@
-"""WeightSync: the Actor broadcasts versioned policy weights to its followers over a torch.distributed group.
+"""``collective``: the Actor broadcasts each version over a torch.distributed group (gloo on CPU, NCCL on GPU).
 
-Followers are the rollout engines, ActorFwd and (every ``mode.ref_update_interval`` steps) the Reference.
-Rank 0 (the Actor) flattens the state dict into buckets of about ``mode.weight_sync_bucket_mb`` MiB (one
-dtype per bucket, parameters in state-dict order) and broadcasts them one after the other; every follower
+Rank 0 (the Actor) flattens the state dict into buckets of about ``weight_transfer.bucket_mb`` MiB (one
+dtype per bucket, parameters in state-dict order) and broadcasts them one after the other; every consumer
 knows the layout from the start, so a bucket is one contiguous ``broadcast`` and nothing else is sent.
-Gloo on CPU, NCCL on GPU. The group is a standalone ``ProcessGroupGloo``/``ProcessGroupNCCL`` on its own
-TCPStore, so it does not touch the default process group a training backend may use.
+The group is a standalone ``ProcessGroupGloo``/``ProcessGroupNCCL`` on its own TCPStore, so it does not
+touch the default process group a training backend may use. Its members are fixed when it is built.
 """
 
 from __future__ import annotations
 
 import datetime
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-# (name, shape, dtype) of every tensor the sender publishes, in order
-Layout = list[tuple[str, tuple[int, ...], str]]
-
-
-def layout_of(state_dict: dict[str, torch.Tensor]) -> Layout:
-    return [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state_dict.items()]
-
-
-def plan_buckets(layout: Layout, bucket_mb: float) -> list[list[int]]:
-    """Indices of ``layout`` grouped into consecutive same-dtype buckets of at most ``bucket_mb`` MiB
-    (a single tensor larger than that gets a bucket of its own)."""
-    limit = max(bucket_mb, 1e-6) * 2**20
-    buckets: list[list[int]] = []
-    size, dtype = 0.0, None
-    for i, (_, shape, dt) in enumerate(layout):
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=getattr(torch, dt)).element_size()
-        if not buckets or dt != dtype or size + nbytes > limit:
-            buckets.append([])
-            size, dtype = 0.0, dt
-        buckets[-1].append(i)
-        size += nbytes
-    return buckets
-
-
-def free_port() -> tuple[str, int]:
-    """An address and a currently free TCP port of this node, for the group's rendezvous."""
-    import ray
-
-    host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return host, s.getsockname()[1]
+from relax_core.weight_transfer.base import Channel, Layout, plan_buckets
 
 
 @dataclass
 class SyncSpec:
-    """What every member needs to join one weight-sync group."""
+    """What every member needs to join one broadcast group."""
 
     name: str
     host: str
@@ -65,7 +32,7 @@ class SyncSpec:
     timeout_s: float = 300.0
 
 
-class WeightSyncGroup:
+class WeightSyncGroup(Channel):
     """One member of a broadcast group; rank 0 sends, every other rank receives."""
 
     def __init__(self, spec: SyncSpec, rank: int) -> None:
@@ -88,19 +55,16 @@ class WeightSyncGroup:
         opts.rootRank = 0
         self.pg.broadcast([flat], opts).wait()
 
-    def send(self, state_dict: dict[str, torch.Tensor]) -> int:
-        """Rank 0: broadcast ``state_dict`` bucket by bucket; returns the bytes sent."""
+    def send(self, state_dict: dict[str, torch.Tensor], version: int = 0) -> None:
+        """Rank 0: broadcast ``state_dict`` bucket by bucket."""
         assert self.rank == 0, "only rank 0 sends"
-        sent = 0
         for bucket in self.buckets:
             names = [self.spec.layout[i][0] for i in bucket]
             flat = torch.cat([state_dict[n].detach().reshape(-1) for n in names]).to(self.device)
             self._broadcast(flat)
-            sent += flat.numel() * flat.element_size()
-        self.bytes_sent += sent
-        return sent
+            self.bytes_sent += flat.numel() * flat.element_size()
 
-    def receive(self) -> dict[str, torch.Tensor]:
+    def receive(self, payload: object = None) -> dict[str, torch.Tensor]:
         """Ranks > 0: the next broadcast state dict (on CPU for gloo, on the GPU for NCCL)."""
         out: dict[str, torch.Tensor] = {}
         for bucket in self.buckets:

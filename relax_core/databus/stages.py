@@ -1,0 +1,137 @@
+"""How a role works through one step's rows on the DataBus (mode=async): wait for rows with the fields
+it needs, compute, write its field, mark the rows consumed. Every role uses these; none has a bus copy of
+itself."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from relax_core.algorithms.objective import micro_batch_weight
+from relax_core.databus.base import DataBus, Fields, partition_name
+from relax_core.databus.records import SAMPLE_FIELDS, batch_from_rows, per_sample
+from relax_core.samples import Sample, TrainBatch
+
+
+def prompt_groups(samples: list[Sample], group_size: int) -> list[list[Sample]]:
+    """Consecutive prompt groups of a rollout's samples (the n samples of a prompt are adjacent)."""
+    return [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
+
+
+def complete_groups(keys: list[str], group_size: int) -> list[str]:
+    """The keys whose whole prompt group is among ``keys`` (key = prompt position · n + sample index)."""
+    count: dict[int, int] = {}
+    for k in keys:
+        count[int(k) // group_size] = count.get(int(k) // group_size, 0) + 1
+    return [k for k in keys if count[int(k) // group_size] == group_size]
+
+
+def stream_stage(
+    bus: DataBus,
+    step: int,
+    total: int,
+    need: list[str],
+    task: str,
+    chunk: int,
+    fn: Callable[[list[str], Fields], Fields],
+    whole_step: bool = False,
+    group_size: int = 0,
+) -> float:
+    """Process every row of step ``step`` once: wait for rows with ``need``, ``fn(keys, rows)`` -> new
+    fields, write them, mark the rows consumed by ``task``. ``group_size``: only whole prompt groups.
+    Returns the seconds spent waiting."""
+    part, done, waited = partition_name(step), 0, 0.0
+    while done < total:
+        t = time.perf_counter()
+        keys = bus.wait_ready(part, need, task, min_count=(total - done) if whole_step else 1)
+        keys = keys if whole_step else keys[:chunk]
+        if group_size:
+            keys = complete_groups(keys, group_size)
+            if not keys:  # a group is still being written
+                time.sleep(0.005)
+                continue
+        waited += time.perf_counter() - t
+        fields = fn(keys, bus.get(part, keys, need))
+        bus.put(part, keys, fields)
+        bus.consume(part, keys, task)
+        done += len(keys)
+    return waited
+
+
+def score_stage(
+    bus: DataBus,
+    pad_token_id: int,
+    step: int,
+    total: int,
+    task: str,
+    field: str,
+    chunk: int,
+    score: Callable[[TrainBatch], torch.Tensor],
+) -> dict[str, float]:
+    """Stream step ``step``'s rows through ``score(batch) -> [B, R]`` into the per-token ``field``."""
+
+    def fn(keys: list[str], rows: Fields) -> Fields:
+        batch = batch_from_rows(rows, pad_token_id)
+        return {field: per_sample(score(batch), batch)}
+
+    return {f"time/{task}_wait_s": stream_stage(bus, step, total, SAMPLE_FIELDS, task, chunk, fn)}
+
+
+class MicroStream:
+    """Stands in for a TrainBatch in ``backend.train_step``: yields micro-batches of one optimizer batch
+    as soon as their rows have every field, and fixes the loss scale once the last one has gone through.
+
+    Each micro-batch's loss carries the un-normalised weight (its tokens for token-mean, its sequences
+    otherwise) because the batch total is unknown while it streams; after the last backward the gradients
+    are divided by that total (``backend.scale_gradients``), which gives exactly the whole-batch gradient
+    Σ_i (w_i / W) ∇ℓ_i.
+    """
+
+    def __init__(
+        self,
+        bus: DataBus,
+        pad_token_id: int,
+        part: str,
+        keys: list[str],
+        need: list[str],
+        extras: list[str],
+        algo,
+        backend,
+    ) -> None:
+        self.bus, self.pad, self.part, self.keys = bus, pad_token_id, part, keys
+        self.need, self.extras, self.algo, self.backend = need, extras, algo, backend
+        self.size = len(keys)
+        self.total_weight = 0.0
+        self.wait_s = 0.0
+        self.versions: list[int] = []
+
+    def micro_batches(self, size: int) -> MicroStream:
+        self.size = size
+        return self
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.keys) / self.size)
+
+    def __iter__(self) -> Iterator[TrainBatch]:
+        remaining = list(self.keys)
+        while remaining:
+            want, pending = min(self.size, len(remaining)), set(remaining)
+            t, delay = time.perf_counter(), 0.002
+            while True:
+                ready = [k for k in self.bus.ready(self.part, self.need) if k in pending]
+                if len(ready) >= want:
+                    break
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.05)
+            self.wait_s += time.perf_counter() - t
+            chosen = ready[:want]
+            remaining = [k for k in remaining if k not in set(chosen)]
+            micro = batch_from_rows(self.bus.get(self.part, chosen, self.need), self.pad, self.extras)
+            self.total_weight += micro_batch_weight(micro, 1.0, 1, self.algo)
+            self.versions += micro.policy_versions.tolist()
+            yield micro
+        # the denominator the whole-batch micro_batch_weight uses
+        self.backend.scale_gradients(1.0 / max(self.total_weight, 1.0))

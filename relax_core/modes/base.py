@@ -1,0 +1,116 @@
+"""What every mode is: a scheduler over the same role classes.
+
+A mode places the roles (``start``), moves weights between them (``publish``), generates for evaluation
+(``generate``) and runs RL steps (``steps``). The run loop (relax_core/run_loop.py) owns everything around
+the steps — data, warm-start, evaluation, checkpoints, health — and reaches the roles only through
+:class:`RoleGroups`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+from relax_core.data import PromptStream
+from relax_core.modes.plan import Requirements
+from relax_core.ray_groups import RoleGroup
+from relax_core.samples import PromptRecord, Sample
+
+StepMetrics = dict[str, float]
+
+
+@dataclass
+class RoleGroups:
+    """Every role group of a run. Health and checkpointing get this object, never the mode."""
+
+    rollout: RoleGroup | None = None
+    actor: RoleGroup | None = None
+    actor_fwd: RoleGroup | None = None
+    reference: RoleGroup | None = None
+    critic: RoleGroup | None = None
+    teacher: RoleGroup | None = None
+    advantages: RoleGroup | None = None
+
+    def all(self) -> dict[str, RoleGroup]:
+        """The groups that run, by role name."""
+        return {f.name: g for f in fields(self) if (g := getattr(self, f.name)) is not None}
+
+
+@dataclass
+class RunContext:
+    """What the run loop prepares for the mode: config, model folder, tokenizer, prompts, plan."""
+
+    cfg: Any
+    model_path: str
+    tokenizer: Any
+    stream: PromptStream
+    needs: Requirements
+    teacher_path: str | None = None
+
+
+class Mode(abc.ABC):
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.roles = RoleGroups()
+        self.transfer = None  # WeightTransfer, built by start()
+        # set by the run loop before steps(): in-place recovery of dead replicas
+        self.health = None
+
+    @abc.abstractmethod
+    def start(self) -> RoleGroups:
+        """Place and start every role group, connect the weight transfer."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Kill every role group and release placement groups and buses."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[PromptRecord], greedy: bool = False) -> list[Sample]:
+        """Scored samples of ``prompts`` from the rollout engines (evaluation uses ``greedy``)."""
+
+    @abc.abstractmethod
+    def publish(self, version: int) -> None:
+        """Blocking: every weight consumer holds policy version ``version``."""
+
+    @abc.abstractmethod
+    def steps(self, first: int, evaluate: Callable[[], StepMetrics]) -> Iterator[tuple[int, StepMetrics]]:
+        """Run RL steps ``first``..``trainer.total_steps``; yield ``(step, metrics)`` in order. ``evaluate``
+        is called by modes that must evaluate at a point of their own schedule (async)."""
+
+    def replaced(self, role: str, index: int, handle: Any) -> None:
+        """A replica of ``role`` was restarted in place: bring it to the current weights."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scheduler state that a checkpoint keeps (e.g. the critic warm-up count)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def metrics(self) -> StepMetrics:
+        return {}
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    """``items`` in ``parts`` contiguous chunks whose sizes differ by at most one."""
+    size, extra = divmod(len(items), parts)
+    chunks, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        chunks.append(items[start:end])
+        start = end
+    return chunks
+
+
+def reward_metrics(samples: list[Sample], prefix: str = "reward") -> StepMetrics:
+    import torch
+
+    rewards = torch.tensor([s.reward for s in samples])
+    out = {f"{prefix}/mean": float(rewards.mean()), f"{prefix}/std": float(rewards.std(unbiased=False))}
+    extra_keys = {k for s in samples for k in s.reward_extras}
+    for key in sorted(extra_keys):
+        out[f"{prefix}/{key}"] = sum(s.reward_extras.get(key, 0.0) for s in samples) / len(samples)
+    return out

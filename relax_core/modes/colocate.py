@@ -1,0 +1,217 @@
+"""``mode=colocate``: every role in one placement group, taking turns; strictly on-policy.
+
+One RL step, top to bottom: collect (Rollout: generate + reward; DAPO dynamic sampling) -> annotate
+(Reference / ActorFwd / Critic / Teacher per-token scores) -> Advantages -> update (Critic, then Actor) ->
+publish the new weights to the rollout engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynamic_sampling, critic_warming_up
+from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
+from relax_core.ray_groups import RoleGroup
+from relax_core.roles.actor import Actor
+from relax_core.roles.advantages import Advantages
+from relax_core.roles.critic import Critic
+from relax_core.roles.reference import Reference
+from relax_core.roles.teacher import Teacher
+from relax_core.rollout_pool import RolloutPool
+from relax_core.samples import PromptRecord, Sample, TrainBatch
+from relax_core.weight_transfer import WeightTransfer, choose_strategy
+from relax_models.megatron.cpu_shim import free_port
+from relax_models.megatron.launch import actor_world_size, rank_env
+
+log = logging.getLogger("relax")
+
+
+class ColocateMode(Mode):
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.advantages = Advantages(ctx.cfg)  # tensor math on the driver: no actor of its own
+        self.critic_updates = 0  # RL steps seen by the critic (its warm-up counts them)
+        self.step_extra: StepMetrics = {}
+        self.pg = None
+        self.agent = None  # rollout.agent: an external program plays the episodes through the endpoint
+
+    # ------------------------------------------------------------------ roles
+    def start(self) -> RoleGroups:
+        cfg, needs = self.cfg, self.ctx.needs
+        r, t = cfg.rollout, cfg.trainer
+        # bundle i: rollout engine i (i < num_engines), actor rank i (i < world); bundle 0 also holds the
+        # Reference, Critic and Teacher
+        world = actor_world_size(t)
+        helpers = int(needs.reference) + int(needs.critic) + int(needs.teacher)
+        bundles = []
+        for i in range(max(r.num_engines, world)):
+            engines, trainers = int(i < r.num_engines), int(i < world) + (helpers if i == 0 else 0)
+            gpu = engines * r.num_gpus + trainers * t.num_gpus
+            bundles.append(
+                {"CPU": engines * r.num_cpus + trainers * t.num_cpus} | ({"GPU": gpu} if gpu else {})
+            )
+        self.pg = placement_group(bundles, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=120)
+        args = (cfg, self.ctx.model_path)
+        # world > 1: megatron model-parallel ranks, one gloo/NCCL group over 127.0.0.1 (single host)
+        port = free_port() if world > 1 else 0
+        self.roles.actor = RoleGroup(
+            Actor,
+            "actor",
+            world,
+            self.pg,
+            list(range(world)),
+            t.num_cpus,
+            t.num_gpus,
+            args,
+            pass_replica=True,
+            env_vars=[rank_env(i, world, port) for i in range(world)] if world > 1 else None,
+        )
+        # launch engines + elastic members (scale-out/in, external URLs) behind a router
+        pool = RolloutPool(cfg, self.ctx.model_path, self.pg, list(range(r.num_engines)))
+        self.roles.rollout = pool
+        if needs.reference:
+            self.roles.reference = RoleGroup(
+                Reference, "reference", 1, self.pg, [0], t.num_cpus, t.num_gpus, args
+            )
+        if needs.critic:
+            self.roles.critic = RoleGroup(Critic, "critic", 1, self.pg, [0], t.num_cpus, t.num_gpus, args)
+        if needs.teacher:
+            teacher_args = (cfg, self.ctx.teacher_path)
+            self.roles.teacher = RoleGroup(
+                Teacher, "teacher", 1, self.pg, [0], t.num_cpus, t.num_gpus, teacher_args
+            )
+        layout = ray.get(self.roles.actor.actors[0].weights_layout.remote())
+        strategy = choose_strategy(
+            cfg.weight_transfer.name, "colocate", self.roles.actor, pool.actors, layout
+        )
+        self.transfer = WeightTransfer(
+            strategy, self.roles.actor, cfg.weight_transfer, cfg.output_dir, self.ctx.model_path
+        )
+        self.transfer.connect("policy", list(pool.actors))
+        pool.attach(self.transfer)
+        if r.agent is not None:  # the OpenAI-compatible endpoint over the pool, and the program's copies
+            from relax_core.agentic.programs import AgentProgramRollout
+
+            self.agent = AgentProgramRollout(cfg, pool, self.ctx.tokenizer)
+            self.agent.start()
+        log.info("colocate roles up | weight transfer: %s", strategy)
+        return self.roles
+
+    def stop(self) -> None:
+        if self.agent is not None:
+            self.agent.stop()
+        for group in self.roles.all().values():
+            group.kill()
+        self.roles = RoleGroups()
+        if self.transfer is not None:
+            self.transfer.close()
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    def replaced(self, role: str, index: int, handle: Any) -> None:
+        if role == "rollout":  # the new engine serves the current policy
+            self.transfer.replace("policy", index, handle)
+            ray.get(self.transfer.deliver(handle))
+
+    # ------------------------------------------------------------------ weights and generation
+    def publish(self, version: int) -> None:
+        self.roles.rollout.push_weights(version)
+
+    def generate(self, prompts: list[PromptRecord], greedy: bool = False) -> list[Sample]:
+        if self.agent is not None:  # the agent program plays them through the endpoint
+            return self.agent.generate(prompts, greedy)
+        return self.roles.rollout.generate(prompts, greedy)
+
+    # ------------------------------------------------------------------ one step
+    def collect(self) -> list[Sample]:
+        """Stage 1 — Rollout: one step's prompts, sampled and scored (DAPO: shaped, dynamically sampled)."""
+        r = self.cfg.rollout
+        samples, self.step_extra = collect_with_dynamic_sampling(
+            lambda: self.generate(self.ctx.stream.next_batch(r.batch_size)),
+            self.cfg.algorithm,
+            r.batch_size,
+            r.max_new_tokens,
+        )
+        return samples
+
+    def annotate(self, batch: TrainBatch) -> None:
+        """Stage 2 — per-token scores other roles add: ref log-probs (KL), behaviour log-probs (ActorFwd),
+        values (Critic), teacher log-probs (Teacher)."""
+        roles = self.roles
+        if roles.reference is not None:
+            batch.extras["ref_logprobs"] = ray.get(roles.reference.call("compute_ref_log_probs", batch)[0])
+        a, gbs = self.cfg.algorithm, self.cfg.trainer.global_batch_size
+        if a.ppo_epochs > 1 or (gbs and gbs < len(batch)):
+            # several updates per batch: the first one's log-probs are the behaviour policy's (ActorFwd)
+            batch.extras["old_logprobs"] = roles.actor.call_collective("compute_log_probs", batch)
+        refs = {}
+        if roles.critic is not None:
+            refs["values"] = roles.critic.call("compute_values", batch)[0]
+        if roles.teacher is not None:
+            refs["teacher_logprobs"] = roles.teacher.call("compute_log_probs", batch)[0]
+        for key, value in zip(refs, ray.get(list(refs.values())), strict=True):
+            batch.extras[key] = value
+
+    def update(self, batch: TrainBatch) -> StepMetrics:
+        """Stage 4 — Critic on the GAE returns (PPO), then the Actor's optimizer step(s); the actor waits
+        during the critic's warm-up."""
+        self.critic_updates += 1
+        metrics: StepMetrics = {}
+        frozen = critic_warming_up(self.cfg.algorithm, self.critic_updates)
+        if self.roles.critic is not None:
+            metrics = ray.get(self.roles.critic.call("fit", batch)[0])
+        if frozen:
+            return metrics | FROZEN_ACTOR_METRICS
+        return metrics | self.roles.actor.call_collective("train", batch)
+
+    def train_step(self, step: int) -> StepMetrics:
+        """collect -> annotate -> advantages -> update -> weights to rollout, timing each stage."""
+        times: dict[str, float] = {}
+
+        def timed(name: str, fn, *args):
+            t = time.perf_counter()
+            result = fn(*args)
+            times[f"time/{name}_s"] = time.perf_counter() - t
+            return result
+
+        t0 = time.perf_counter()
+        samples = timed("rollout", self.collect)
+        batch = TrainBatch.from_samples(samples, self.ctx.tokenizer.pad_token_id)
+        timed("logprob", self.annotate, batch)
+        batch.extras["advantages"] = timed("advantages", self.advantages.compute, batch)
+        train_metrics = timed("train", self.update, batch)
+        timed("weight_sync", self.health.retrying, lambda: self.publish(step), f"weight sync v{step}")
+        step_time = time.perf_counter() - t0
+
+        response_tokens = int(batch.response_lens.sum())
+        metrics = reward_metrics(samples) | train_metrics | times | self.step_extra
+        metrics.update(
+            kl=train_metrics.get("kl", 0.0),
+            step_time_s=step_time,
+            tokens_per_s=response_tokens / step_time,
+            response_length=response_tokens / len(samples),
+            **{"staleness/mean": 0.0, "staleness/max": 0.0},
+        )
+        metrics["weights/bytes"] = float(self.transfer.stats.bytes)
+        metrics |= self.roles.rollout.step_metrics()  # samples and engines behind this step (elastic scaling)
+        if self.agent is not None:
+            metrics |= self.agent.metrics()
+        return metrics
+
+    def steps(self, first: int, evaluate: Callable[[], StepMetrics]) -> Iterator[tuple[int, StepMetrics]]:
+        for step in range(first, self.cfg.trainer.total_steps + 1):
+            yield step, self.health.run_step(step, self.train_step, self.ctx.stream)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"algo_updates": self.critic_updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.critic_updates = state.get("algo_updates", 0)

@@ -1,0 +1,270 @@
+"""The run loop: data and model in, roles started by the mode, RL steps, evaluation, checkpoints, out.
+
+Read top to bottom this is a whole run: load the model folder and prompts -> the mode starts every role
+(relax_core/modes/) -> evaluate -> supervised warm-start -> for each step the mode yields its metrics ->
+log, evaluate, checkpoint -> summary. Health (in-place restarts, global restarts from a checkpoint) and
+checkpointing get the role groups explicitly; neither reaches into the mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+from relax_core.checkpoint import (
+    STOP_REQUEST,
+    CheckpointManager,
+    checkpoint_root,
+    resolve_resume,
+    restore_run,
+    rewind_sink,
+    save_run,
+)
+from relax_core.data import PromptStream, dataset_paths, load_prompts
+from relax_core.health import GlobalRestartNeeded, HealthManager
+from relax_core.metrics import MetricsSink, format_step_line
+from relax_core.modes import build_mode
+from relax_core.modes.base import RunContext
+from relax_core.modes.plan import requirements
+from relax_core.multimodal import MediaPrompts
+from relax_core.samples import Sample, TrainBatch
+from relax_models.loader import load_tokenizer, resolve_model_path
+
+log = logging.getLogger("relax")
+
+
+def accuracy(samples: list[Sample]) -> float:
+    """Share of exactly solved prompts: the reward's ``acc`` entry when it has one, else reward ≥ 1."""
+    solved = [s.reward_extras["acc"] if "acc" in s.reward_extras else float(s.reward >= 1.0) for s in samples]
+    return sum(solved) / max(len(solved), 1)
+
+
+class RunLoop:
+    def __init__(self, cfg, resolved: dict[str, Any]) -> None:
+        """Loads the model folder and the datasets: user errors surface here, before Ray starts."""
+        self.cfg = cfg
+        self.resolved = resolved
+        model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
+        self.tokenizer = load_tokenizer(model_path)
+        if cfg.rollout.env is not None or cfg.rollout.agent is not None:
+            import relax_core.agentic  # noqa: F401  (registers the agentic synthetic tasks)
+        train_path, eval_path = dataset_paths(cfg.data, cfg.output_dir, cfg.seed)
+        # multimodal runs (modality.keys): the processor reads media columns; None for text
+        self.media = MediaPrompts.from_config(cfg.modality, model_path)
+        train, self.skipped_rows = load_prompts(train_path, cfg.data, self.tokenizer, self.media)
+        self.eval_prompts = (
+            load_prompts(eval_path, cfg.data, self.tokenizer, self.media)[0] if eval_path else []
+        )
+        self.stream = PromptStream(train, cfg.seed, cfg.data.shuffle)
+        teacher_path = None
+        if cfg.algorithm.teacher is not None:
+            from relax_core.roles.teacher import check_tokenizer_match, resolve_teacher_path
+
+            teacher_path = resolve_teacher_path(cfg)  # trains the default teacher once if missing
+            check_tokenizer_match(model_path, teacher_path)
+        self.ctx = RunContext(cfg, model_path, self.tokenizer, self.stream, requirements(cfg), teacher_path)
+        self.mode = build_mode(self.ctx)
+        self.sink: MetricsSink | None = None
+        self.health: HealthManager | None = None
+
+    # ---------------------------------------------------------------- phases around the RL steps
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_prompts:
+            return {}
+        samples = self.mode.generate(self.eval_prompts, greedy=True)
+        return {
+            "eval/accuracy": accuracy(samples),
+            "eval/reward": sum(s.reward for s in samples) / len(samples),
+        }
+
+    def warm_start(self) -> None:
+        """Supervised warm-start on (prompt, label) pairs: teaches the output format before RL. The
+        Reference and the Critic's trunk then start from the warm-started policy, version 0."""
+        t, roles = self.cfg.trainer, self.mode.roles
+        eos = self.tokenizer.eos_token_id
+        for i in range(t.sft_warmup_steps):
+            prompts = self.stream.next_batch(t.sft_batch_size)
+            samples = []
+            if self.cfg.rollout.env is not None:  # agentic: expert episodes against the environment
+                from relax_core.agentic.warmstart import expert_samples
+
+                samples = expert_samples(prompts, self.cfg.rollout, self.tokenizer, seed=self.cfg.seed + i)
+                prompts = []
+            elif self.cfg.rollout.agent is not None:  # agent program: the rows' demonstration conversations
+                from relax_core.agentic.warmstart import demo_samples
+
+                samples, prompts = demo_samples(prompts, self.tokenizer), []
+            if self.media is not None:  # pixel/audio tensors of the drawn prompts
+                prompts = self.media.materialize(prompts)
+            for p in prompts:
+                target = self.tokenizer(str(p.label), add_special_tokens=False).input_ids + [eos]
+                samples.append(
+                    Sample(
+                        p.index,
+                        0,
+                        p.prompt_ids,
+                        target,
+                        [0.0] * len(target),
+                        [1] * len(target),
+                        multimodal_inputs=p.multimodal_inputs,
+                    )
+                )
+            batch = TrainBatch.from_samples(samples, self.tokenizer.pad_token_id)
+            m = roles.actor.call_collective("sft_step", batch)
+            if i == 0 or (i + 1) % 10 == 0 or i + 1 == t.sft_warmup_steps:
+                log.info("warm-start %d/%d | nll %.4f", i + 1, t.sft_warmup_steps, m["loss"])
+        roles.actor.call_collective("end_warm_start")
+        if roles.reference is not None or roles.critic is not None:
+            weights = ray.put(roles.actor.call_collective("state_dict"))
+            refs = roles.reference.call("load_weights", weights, 0) if roles.reference is not None else []
+            refs += roles.critic.call("load_trunk", weights) if roles.critic is not None else []
+            ray.get(refs)
+        self.mode.publish(0)
+
+    def start_control_plane(self):
+        """HTTP control plane (health, metrics, elastic rollout scaling) when ``control_plane.enabled``."""
+        if not self.cfg.control_plane.enabled:
+            return None
+        from relax_core.control_plane import ControlPlane
+        from relax_core.rollout_pool import RolloutPool
+
+        def pool() -> RolloutPool | None:
+            rollout = self.mode.roles.rollout
+            return rollout if isinstance(rollout, RolloutPool) else None
+
+        def latest() -> dict[str, Any]:
+            return dict(self.sink.history[-1]) if self.sink is not None and self.sink.history else {}
+
+        return ControlPlane(self.cfg, pool, latest)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, step: int, evals: dict[str, Any]) -> None:
+        driver = {
+            "stream": self.stream.state_dict(),
+            "history": list(self.sink.history),
+            "health": self.health.state_dict(),
+            "extra": evals,
+            "mode": self.mode.state_dict(),
+        }
+        save_run(self.mode.roles, self.checkpoints, step, driver)
+
+    def restore(self, path) -> dict[str, Any]:
+        """Load checkpoint ``path`` into the running roles; returns its driver state."""
+        driver = restore_run(self.mode.roles, path, self.mode.publish)
+        self.stream.load_state_dict(driver["stream"])
+        self.mode.load_state_dict(driver.get("mode", {}))
+        if driver.get("health"):
+            self.health.load_state_dict(driver["health"])
+        rewind_sink(self.sink, int(driver["step"]), driver["history"])
+        return driver
+
+    def restart_everything(self, reason: str) -> int:
+        """A role whose state lives only in its process died: restart every role from the newest
+        checkpoint; returns the step it holds."""
+        ckpt = self.health.global_restart(reason, self.checkpoints.root)
+        self.health.stop()
+        self.mode.stop()
+        self.mode.start()
+        driver = self.restore(ckpt)
+        self.health.start()
+        return int(driver["step"])
+
+    # ---------------------------------------------------------------- the run
+    def run(self) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.trainer
+        resume_from = resolve_resume(t.resume, cfg.output_dir)  # checkpoint/resume (relax_core/checkpoint.py)
+        self.checkpoints = CheckpointManager(checkpoint_root(cfg.output_dir), t.save_every, t.keep_last)
+        self.sink = MetricsSink(cfg, self.resolved)
+        self.mode.start()
+        self.health = HealthManager(
+            lambda: self.mode.roles.all(), t, cfg.cluster.max_global_restarts, cfg.output_dir, self.mode.replaced
+        )
+        self.mode.health = self.health
+        control_plane = self.start_control_plane()
+        summary: dict[str, Any] = {"status": "failed"}
+        try:
+            step = 1
+            if resume_from is not None:
+                driver = self.restore(resume_from)
+                init_eval, start_eval = driver["extra"]["init_eval"], driver["extra"]["start_eval"]
+                step = driver["step"] + 1
+            else:
+                init_eval = self.evaluate()
+                if t.sft_warmup_steps:
+                    self.warm_start()
+                start_eval = self.evaluate() if t.sft_warmup_steps else init_eval
+                self.sink.log(0, {f"{k}_init": v for k, v in init_eval.items()} | start_eval)
+                log.info(
+                    "eval before training: accuracy %.3f (untrained) -> %.3f (after warm-start)",
+                    init_eval.get("eval/accuracy", float("nan")),
+                    start_eval.get("eval/accuracy", float("nan")),
+                )
+            evals = {"init_eval": init_eval, "start_eval": start_eval}
+            if t.save_every and resume_from is None:  # step 0: what a global restart falls back to
+                self.save(0, evals)
+            self.health.start()
+            while step <= t.total_steps:
+                try:
+                    for done, metrics in self.mode.steps(step, self.evaluate):
+                        self.after_step(done, metrics, evals)
+                        step = done + 1
+                        if (
+                            STOP_REQUEST.is_set() and done < t.total_steps
+                        ):  # preempted: saved, the job requeues
+                            summary = {"status": "preempted", "steps": done, "output_dir": cfg.output_dir}
+                            return summary
+                except GlobalRestartNeeded as why:  # a dead Actor: everything restarts from a checkpoint
+                    step = self.restart_everything(str(why)) + 1
+            summary = self.summarize(init_eval, start_eval, resume_from)
+            return summary
+        finally:
+            self.health.stop()
+            if control_plane is not None:
+                control_plane.stop()
+            self.mode.stop()
+            self.sink.finish(
+                {k: v for k, v in summary.items() if v is not None},
+                "FINISHED" if summary["status"] == "finished" else "FAILED",
+            )
+
+    def after_step(self, step: int, metrics: dict[str, float], evals: dict[str, Any]) -> None:
+        """Evaluate when due, log, checkpoint when due (or when a preemption asks for it)."""
+        t = self.cfg.trainer
+        metrics |= self.health.metrics()
+        if (
+            t.eval_every
+            and (step % t.eval_every == 0 or step == t.total_steps)
+            and "eval/accuracy" not in metrics
+        ):
+            metrics |= self.health.guarded(self.evaluate)
+        self.sink.log(step, metrics)
+        log.info(format_step_line(step, t.total_steps, metrics))
+        if self.checkpoints.due(step, t.total_steps) or STOP_REQUEST.is_set():
+            self.health.guarded(lambda: self.save(step, evals))
+
+    def summarize(self, init_eval: dict, start_eval: dict, resume_from) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.trainer
+        rewards = [r["reward/mean"] for r in self.sink.history if "reward/mean" in r]
+        if t.export_final_model:
+            self.mode.roles.actor.call_collective("export_hf", f"{cfg.output_dir}/final_model")
+        final_eval = self.sink.history[-1] if self.sink.history else {}
+        if "eval/accuracy" not in final_eval:
+            final_eval = self.evaluate()
+        tenth = max(1, len(rewards) // 10)
+        summary = {
+            "status": "finished",
+            "steps": len(rewards),
+            "reward_first_10pct": sum(rewards[:tenth]) / tenth,
+            "reward_last_10pct": sum(rewards[-tenth:]) / tenth,
+            "eval_accuracy_untrained": init_eval.get("eval/accuracy"),
+            "eval_accuracy_start": start_eval.get("eval/accuracy"),
+            "eval_accuracy_final": final_eval.get("eval/accuracy"),
+            "skipped_rows": self.skipped_rows,
+            "output_dir": cfg.output_dir,
+        }
+        summary["reward_gain"] = summary["reward_last_10pct"] - summary["reward_first_10pct"]
+        summary |= {k.replace("health/", "health_"): v for k, v in self.health.metrics().items()}
+        summary["resumed_from"] = str(resume_from) if resume_from is not None else None
+        return summary

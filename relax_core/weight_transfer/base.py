@@ -1,0 +1,188 @@
+"""Weight transfer: how policy version ``v`` travels from the Actor to every role that uses it.
+
+Consumers — rollout engines (launch and elastic), ActorFwd, Reference — mix in :class:`WeightReceiver`
+and implement ``load_weights(state_dict, version)``; the Actor mixes in :class:`WeightSource`. A
+:class:`WeightTransfer` strategy runs in the driver and decides how the bytes travel, so a consumer never
+knows which one is in use:
+
+==============  ====================================  ============================================
+strategy        consumers                             cost per version
+==============  ====================================  ============================================
+shared_memory   on the Actor's node                   one copy into /dev/shm, one copy out each
+object_store    anywhere (Ray object store)           one ``ray.put`` + one fetch per node
+collective      a fixed set anywhere (gloo / NCCL)    one bucketed broadcast
+disk            engines that only reload from files   an HF folder per version (the last 2 kept)
+==============  ====================================  ============================================
+
+``weight_transfer=auto`` picks shared memory when every consumer runs on the Actor's node, else the
+object store (colocate: consumers come and go with elastic scaling) or the collective (async: a fixed set).
+Every publish reports its bytes and seconds (``weights/bytes``, ``time/weight_sync_s``).
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# (name, shape, dtype) of every tensor the source publishes, in order
+Layout = list[tuple[str, tuple[int, ...], str]]
+
+
+def layout_of(state_dict: dict[str, torch.Tensor]) -> Layout:
+    return [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state_dict.items()]
+
+
+def nbytes(layout: Layout) -> int:
+    return sum(
+        torch.Size(s).numel() * torch.empty((), dtype=getattr(torch, d)).element_size() for _, s, d in layout
+    )
+
+
+def plan_buckets(layout: Layout, bucket_mb: float) -> list[list[int]]:
+    """Indices of ``layout`` grouped into consecutive same-dtype buckets of at most ``bucket_mb`` MiB
+    (a single tensor larger than that gets a bucket of its own)."""
+    limit = max(bucket_mb, 1e-6) * 2**20
+    buckets: list[list[int]] = []
+    size, dtype = 0.0, None
+    for i, entry in enumerate(layout):
+        size_i = nbytes([entry])
+        if not buckets or entry[2] != dtype or size + size_i > limit:
+            buckets.append([])
+            size, dtype = 0.0, entry[2]
+        buckets[-1].append(i)
+        size += size_i
+    return buckets
+
+
+class Channel(abc.ABC):
+    """One end of a strategy's transport, living in a role process (built from a picklable spec)."""
+
+    @abc.abstractmethod
+    def send(self, state_dict: dict[str, torch.Tensor], version: int) -> Any:
+        """Source side: move ``state_dict`` into the channel; returns what consumers need to read it."""
+
+    @abc.abstractmethod
+    def receive(self, payload: Any) -> dict[str, torch.Tensor]:
+        """Consumer side: the state dict that :meth:`send` put in (``payload`` is its return value)."""
+
+    def close(self) -> None:
+        """Release the channel's resources."""
+
+
+class ObjectStoreChannel(Channel):
+    """The state dict itself is the payload: Ray stores the source's return value once and every consumer
+    process fetches it (no copy through the driver)."""
+
+    def send(self, state_dict: dict[str, torch.Tensor], version: int) -> Any:
+        return state_dict
+
+    def receive(self, payload: Any) -> dict[str, torch.Tensor]:
+        return payload
+
+
+def open_channel(strategy: str, spec: Any, rank: int) -> Channel:
+    """The channel of ``strategy`` in this process: rank 0 sends, ranks > 0 receive."""
+    if strategy == "object_store":
+        return ObjectStoreChannel()
+    if strategy == "shared_memory":
+        from relax_core.weight_transfer.shared_memory import SharedMemoryChannel
+
+        return SharedMemoryChannel(spec, rank)
+    if strategy == "collective":
+        from relax_core.weight_transfer.collective import WeightSyncGroup
+
+        return WeightSyncGroup(spec, rank)
+    if strategy == "disk":
+        from relax_core.weight_transfer.disk import DiskChannel
+
+        return DiskChannel(spec, rank)
+    raise ValueError(f"no channel for weight-transfer strategy {strategy!r}")
+
+
+class WeightSource:
+    """Mixin of the role that owns the trained weights (the Actor); needs ``self.backend``.
+
+    ``weights_snapshot(v)`` keeps a copy of version ``v`` so that async mode can publish it while the next
+    step already trains; without a snapshot the current weights are sent.
+    """
+
+    def _weights_state(self) -> dict:
+        if not hasattr(self, "_weight_channels"):
+            self._weight_channels: dict[str, Channel] = {}
+            self._weight_snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        return self._weight_channels
+
+    def weights_layout(self) -> Layout:
+        return layout_of(self.backend.state_dict())
+
+    def free_address(self) -> tuple[str, int]:
+        """This node's address and a free port: the rendezvous of a broadcast group the source leads."""
+        import ray
+
+        from relax_models.megatron.cpu_shim import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def weights_connect(self, key: str, strategy: str, spec: Any) -> None:
+        self._weights_state()[key] = open_channel(strategy, spec, 0)
+
+    def weights_snapshot(self, version: int) -> None:
+        self._weights_state()
+        self._weight_snapshots[version] = self.backend.state_dict()
+
+    def weights_send(self, keys: list[str], version: int) -> tuple[Any, int, float]:
+        """Send version ``version`` (its snapshot, else the current weights) into the channels ``keys``;
+        returns (payload of the last channel, bytes, seconds)."""
+        channels = self._weights_state()
+        t = time.perf_counter()
+        state = self._weight_snapshots.pop(version, None) or self.backend.state_dict()
+        payload = None
+        if getattr(self, "rank", 0) == 0:  # model-parallel ranks only take part in gathering the weights
+            for key in keys:
+                payload = channels[key].send(state, version)
+        return payload, nbytes(layout_of(state)) * len(keys), time.perf_counter() - t
+
+
+class WeightReceiver:
+    """Mixin of every role that uses the policy's weights: it implements :meth:`load_weights`."""
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        raise NotImplementedError
+
+    def weights_connect(self, key: str, strategy: str, spec: Any, rank: int) -> None:
+        if not hasattr(self, "_weight_channels"):
+            self._weight_channels: dict[str, Channel] = {}
+        if key not in self._weight_channels or strategy == "collective":
+            self._weight_channels[key] = open_channel(strategy, spec, rank)
+
+    def weights_receive(self, key: str | None, payload: Any, version: int) -> float:
+        """Read version ``version`` from channel ``key`` (None: ``payload`` is the state dict itself) and
+        load it; returns the seconds it took."""
+        t = time.perf_counter()
+        state = payload if key is None else self._weight_channels[key].receive(payload)
+        self.load_weights(state, version)
+        return time.perf_counter() - t
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+@dataclass
+class TransferStats:
+    version: int = -1
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {"time/weight_sync_s": self.seconds, "weights/bytes": float(self.bytes)}
