@@ -169,6 +169,9 @@ class ModeConfig:
     ref_update_interval: int = 0
     # async: CPUs each helper group (ActorFwd, Reference) reserves in its own placement group
     aux_num_cpus: float = 0.25
+    # off-policy correction when samples can be stale (max_staleness > 0): truncated importance weight
+    # min(π_prox/π_behaviour, cap) on every policy-gradient term; algorithm.tis_cap overrides it; null off
+    off_policy_tis_cap: float | None = None
 
 
 @dataclass
@@ -283,8 +286,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    # CPU threads the engine's torch uses
-    num_threads: int = 2
+    # CPU threads the engine's torch uses (null: derived from the node's cores, relax_core/modes/base.py)
+    num_threads: int | None = None
     # fraction of a CPU each engine actor reserves from Ray
     num_cpus: float = 0.5
     num_gpus: float = 0.0
@@ -361,7 +364,8 @@ class TrainerConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 120.0
     max_role_restarts: int = 3
-    num_threads: int = 2
+    # CPU threads of each model-holding trainer role (null: derived from the node's cores)
+    num_threads: int | None = None
     num_cpus: float = 0.5
     num_gpus: float = 0.0
     megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)

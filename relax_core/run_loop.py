@@ -26,7 +26,7 @@ from relax_core.data import PromptStream, dataset_paths, load_prompts
 from relax_core.health import GlobalRestartNeeded, HealthManager
 from relax_core.metrics import MetricsSink, format_step_line
 from relax_core.modes import build_mode
-from relax_core.modes.base import RunContext
+from relax_core.modes.base import RunContext, resolve_threads
 from relax_core.modes.plan import requirements
 from relax_core.multimodal import MediaPrompts
 from relax_core.samples import Sample, TrainBatch
@@ -44,6 +44,7 @@ def accuracy(samples: list[Sample]) -> float:
 class RunLoop:
     def __init__(self, cfg, resolved: dict[str, Any]) -> None:
         """Loads the model folder and the datasets: user errors surface here, before Ray starts."""
+        resolve_threads(cfg)
         self.cfg = cfg
         self.resolved = resolved
         model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
@@ -179,7 +180,11 @@ class RunLoop:
         self.sink = MetricsSink(cfg, self.resolved)
         self.mode.start()
         self.health = HealthManager(
-            lambda: self.mode.roles.all(), t, cfg.cluster.max_global_restarts, cfg.output_dir, self.mode.replaced
+            lambda: self.mode.roles.all(),
+            t,
+            cfg.cluster.max_global_restarts,
+            cfg.output_dir,
+            self.mode.replaced,
         )
         self.mode.health = self.health
         control_plane = self.start_control_plane()

@@ -405,5 +405,7 @@ def validate_async(cfg) -> None:
         raise RelaxUserError(
             f"mode=async supports trainer.backend=torch for now, got {cfg.trainer.backend!r}"
         )
+    if m.off_policy_tis_cap is not None and m.off_policy_tis_cap <= 0:
+        raise RelaxUserError(f"mode.off_policy_tis_cap must be > 0 or null, got {m.off_policy_tis_cap}")
     if m.aux_num_cpus <= 0:
         raise RelaxUserError(f"mode.aux_num_cpus must be > 0, got {m.aux_num_cpus}")

@@ -114,3 +114,17 @@ def reward_metrics(samples: list[Sample], prefix: str = "reward") -> StepMetrics
     for key in sorted(extra_keys):
         out[f"{prefix}/{key}"] = sum(s.reward_extras.get(key, 0.0) for s in samples) / len(samples)
     return out
+
+
+def resolve_threads(cfg) -> None:
+    """Fill ``rollout.num_threads`` / ``trainer.num_threads`` left null from the node's cores: colocate roles
+    take turns, so each may use every core; async roles run at once, so the cores are split between the
+    rollout engines and the Actor (one each at least) instead of oversubscribing them."""
+    import os
+
+    cores = os.cpu_count() or 1
+    per_role = cores if cfg.mode.name == "colocate" else max(1, cores // (cfg.rollout.num_engines + 1))
+    if cfg.rollout.num_threads is None:
+        cfg.rollout.num_threads = per_role
+    if cfg.trainer.num_threads is None:
+        cfg.trainer.num_threads = per_role

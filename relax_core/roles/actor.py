@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -13,9 +14,19 @@ from relax_core.algorithms.objective import micro_batch_weight, policy_objective
 from relax_core.backends import build_backend
 from relax_core.databus import DataBus, partition_name, sample_key
 from relax_core.databus.stages import MicroStream, score_stage
+from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
 from relax_core.weight_transfer import WeightReceiver, WeightSource
 from relax_models.loader import load_tokenizer
+
+
+def effective_algorithm(cfg):
+    """The algorithm config the loss uses: ``algorithm.tis_cap``, else the mode's off-policy cap when
+    samples can be stale (``mode.max_staleness > 0``); strictly on-policy runs keep no correction."""
+    a, m = cfg.algorithm, cfg.mode
+    if a.tis_cap is None and m.max_staleness > 0 and m.off_policy_tis_cap is not None:
+        return dataclasses.replace(a, tis_cap=m.off_policy_tis_cap)
+    return a
 
 
 def staleness_metrics(versions: list[int], trained_version: int) -> dict[str, float]:
@@ -36,9 +47,10 @@ class Actor(WeightSource, WeightReceiver):
         weights (:meth:`state_dict`), the others return an empty dict. ``bus``: the DataBus it reads its
         steps from in mode=async.
         """
-        torch.set_num_threads(cfg.trainer.num_threads)
+        use_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
+        self.algo = effective_algorithm(cfg)
         self.rank = replica
         self.bus = bus
         self.pad = load_tokenizer(model_path).pad_token_id if bus is not None else 0
@@ -77,7 +89,7 @@ class Actor(WeightSource, WeightReceiver):
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """``algorithm.ppo_epochs`` passes over ``batch``, one optimizer step per global batch."""
-        algo, trainer = self.cfg.algorithm, self.cfg.trainer
+        algo, trainer = self.algo, self.cfg.trainer
         global_size = trainer.global_batch_size or len(batch)
         metrics: dict[str, float] = {}
         updates = 0
@@ -99,7 +111,7 @@ class Actor(WeightSource, WeightReceiver):
     def train_from_bus(self, step: int, total: int, need: list[str], extras: list[str]) -> dict[str, float]:
         """mode=async: :meth:`train` on step ``step``'s rows as they land on the bus (micro-batches stream
         into the backend as soon as their fields are ready); then keeps version ``step`` to publish."""
-        algo, trainer = self.cfg.algorithm, self.cfg.trainer
+        algo, trainer = self.algo, self.cfg.trainer
         if critic_warming_up(algo, step):  # PPO: the policy waits for the critic, version ``step`` = step−1
             self.weights_snapshot(step)
             return FROZEN_ACTOR_METRICS | {"optimizer_steps": 0.0} | staleness_metrics([], step - 1)

@@ -12,6 +12,7 @@ from relax_core.algorithms.value import clipped_value_loss
 from relax_core.databus import DataBus, partition_name, sample_key
 from relax_core.databus.records import SAMPLE_FIELDS, batch_from_rows
 from relax_core.databus.stages import score_stage
+from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_causal_lm, load_tokenizer
 
@@ -40,7 +41,7 @@ class ValueModel(torch.nn.Module):
 
 class Critic:
     def __init__(self, cfg, model_path: str, bus: DataBus | None = None) -> None:
-        torch.set_num_threads(cfg.trainer.num_threads)
+        use_threads(cfg.trainer.num_threads)
         self.bus = bus
         self.pad = load_tokenizer(model_path).pad_token_id if bus is not None else 0
         torch.manual_seed(cfg.seed + 17)

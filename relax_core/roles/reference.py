@@ -10,6 +10,7 @@ from relax_core.backends import build_backend
 from relax_core.config import MegatronParallelConfig
 from relax_core.databus import DataBus
 from relax_core.databus.stages import score_stage
+from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
 from relax_core.weight_transfer import WeightReceiver
 from relax_models.loader import load_tokenizer
@@ -17,7 +18,7 @@ from relax_models.loader import load_tokenizer
 
 class Reference(WeightReceiver):
     def __init__(self, cfg, model_path: str, bus: DataBus | None = None) -> None:
-        torch.set_num_threads(cfg.trainer.num_threads)
+        use_threads(cfg.trainer.num_threads)
         self.micro_batch_size = cfg.trainer.micro_batch_size
         self.bus = bus
         self.pad = load_tokenizer(model_path).pad_token_id if bus is not None else 0

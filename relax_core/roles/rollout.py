@@ -16,6 +16,7 @@ from relax_core.engines import build_engine
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.engines.resumable import ResumableEngine
 from relax_core.multimodal import MediaPrompts
+from relax_core.roles import use_threads
 from relax_core.samples import PromptRecord, Sample, SampleStatus
 from relax_core.weight_transfer import WeightReceiver
 from relax_models.loader import load_tokenizer
@@ -43,7 +44,7 @@ class Rollout(WeightReceiver):
         engine_url: str | None = None,
         bus: DataBus | None = None,
     ) -> None:
-        torch.set_num_threads(cfg.rollout.num_threads)
+        use_threads(cfg.rollout.num_threads)
         self.cfg = cfg
         self.bus = bus
         self.tokenizer = load_tokenizer(model_path)

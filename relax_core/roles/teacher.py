@@ -24,6 +24,7 @@ from relax_core.backends import build_backend
 from relax_core.databus import DataBus
 from relax_core.databus.stages import score_stage
 from relax_core.errors import RelaxUserError
+from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
 
 log = logging.getLogger("relax")
@@ -33,7 +34,7 @@ class Teacher:
     def __init__(self, cfg, teacher_path: str, bus: DataBus | None = None) -> None:
         from relax_models.loader import load_tokenizer
 
-        torch.set_num_threads(cfg.trainer.num_threads)
+        use_threads(cfg.trainer.num_threads)
         self.micro_batch_size = cfg.trainer.micro_batch_size
         self.bus = bus
         self.pad = load_tokenizer(teacher_path).pad_token_id if bus is not None else 0

@@ -75,7 +75,7 @@ class WeightTransfer:
         """Build the channel of consumer set ``name``: the source's end first, then every consumer's."""
         spec = self._spec(name, len(consumers))
         key = f"{self.strategy}:{name}"
-        refs = [self.source.actors[0].weights_connect.remote(key, self.strategy, spec)]
+        refs = [self.source.actors[0].source_connect.remote(key, self.strategy, spec)]
         if self.strategy != "collective":  # the others need the source's end in place first
             ray.get(refs)
             refs = []

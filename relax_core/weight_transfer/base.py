@@ -103,18 +103,26 @@ def open_channel(strategy: str, spec: Any, rank: int) -> Channel:
     raise ValueError(f"no channel for weight-transfer strategy {strategy!r}")
 
 
-class WeightSource:
+class _WeightEndpoint:
+    """What both ends keep: their open channels by key (``<strategy>:<consumer set>``)."""
+
+    def _weight_channels(self) -> dict[str, Channel]:
+        if not hasattr(self, "_channels"):
+            self._channels: dict[str, Channel] = {}
+        return self._channels
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+class WeightSource(_WeightEndpoint):
     """Mixin of the role that owns the trained weights (the Actor); needs ``self.backend``.
 
     ``weights_snapshot(v)`` keeps a copy of version ``v`` so that async mode can publish it while the next
     step already trains; without a snapshot the current weights are sent.
     """
-
-    def _weights_state(self) -> dict:
-        if not hasattr(self, "_weight_channels"):
-            self._weight_channels: dict[str, Channel] = {}
-            self._weight_snapshots: dict[int, dict[str, torch.Tensor]] = {}
-        return self._weight_channels
 
     def weights_layout(self) -> Layout:
         return layout_of(self.backend.state_dict())
@@ -127,55 +135,45 @@ class WeightSource:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def weights_connect(self, key: str, strategy: str, spec: Any) -> None:
-        self._weights_state()[key] = open_channel(strategy, spec, 0)
+    def source_connect(self, key: str, strategy: str, spec: Any) -> None:
+        self._weight_channels()[key] = open_channel(strategy, spec, 0)
 
     def weights_snapshot(self, version: int) -> None:
-        self._weights_state()
-        self._weight_snapshots[version] = self.backend.state_dict()
+        if not hasattr(self, "_snapshots"):
+            self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self._snapshots[version] = self.backend.state_dict()
 
     def weights_send(self, keys: list[str], version: int) -> tuple[Any, int, float]:
         """Send version ``version`` (its snapshot, else the current weights) into the channels ``keys``;
         returns (payload of the last channel, bytes, seconds)."""
-        channels = self._weights_state()
         t = time.perf_counter()
-        state = self._weight_snapshots.pop(version, None) or self.backend.state_dict()
+        snapshots = getattr(self, "_snapshots", {})
+        state = snapshots.pop(version, None) or self.backend.state_dict()
         payload = None
         if getattr(self, "rank", 0) == 0:  # model-parallel ranks only take part in gathering the weights
             for key in keys:
-                payload = channels[key].send(state, version)
+                payload = self._weight_channels()[key].send(state, version)
         return payload, nbytes(layout_of(state)) * len(keys), time.perf_counter() - t
 
 
-class WeightReceiver:
+class WeightReceiver(_WeightEndpoint):
     """Mixin of every role that uses the policy's weights: it implements :meth:`load_weights`."""
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         raise NotImplementedError
 
     def weights_connect(self, key: str, strategy: str, spec: Any, rank: int) -> None:
-        if not hasattr(self, "_weight_channels"):
-            self._weight_channels: dict[str, Channel] = {}
-        if key not in self._weight_channels or strategy == "collective":
-            self._weight_channels[key] = open_channel(strategy, spec, rank)
+        channels = self._weight_channels()
+        if key not in channels or strategy == "collective":
+            channels[key] = open_channel(strategy, spec, rank)
 
     def weights_receive(self, key: str | None, payload: Any, version: int) -> float:
         """Read version ``version`` from channel ``key`` (None: ``payload`` is the state dict itself) and
         load it; returns the seconds it took."""
         t = time.perf_counter()
-        state = payload if key is None else self._weight_channels[key].receive(payload)
+        state = payload if key is None else self._weight_channels()[key].receive(payload)
         self.load_weights(state, version)
         return time.perf_counter() - t
-
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
 
 
 @dataclass

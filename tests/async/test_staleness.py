@@ -75,3 +75,28 @@ def test_async_config_errors_name_the_key(tmp_path, override: str, message: str)
         cfg = OmegaConf.to_object(compose("config", overrides=["mode=async", override]))
     with pytest.raises(RelaxUserError, match=message.replace("(", r"\(")):
         validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "cap"),
+    [
+        (["mode=async", "mode.max_staleness=2"], 2.0),  # stale samples: corrected by default
+        (["mode=async", "mode.max_staleness=0"], None),  # on-policy: replays colocate exactly
+        (["mode=async", "mode.max_staleness=1", "mode.off_policy_tis_cap=null"], None),
+        (
+            ["mode=async", "mode.max_staleness=1", "algorithm.tis_cap=1.5"],
+            1.5,
+        ),  # the algorithm's own cap wins
+        ([], None),  # colocate
+    ],
+)
+def test_off_policy_correction_is_on_whenever_samples_can_be_stale(overrides, cap) -> None:
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from relax_core.roles.actor import effective_algorithm
+    from relax_launch.cli import CONFIG_MODULE
+
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("config", overrides=overrides))
+    assert effective_algorithm(cfg).tis_cap == cap
