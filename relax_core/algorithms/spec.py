@@ -230,20 +230,15 @@ class Requirements:
     # per rollout batch); otherwise old log-probs = the detached current ones
     actor_fwd: bool
     # per-token fields the Advantages stage waits for besides the Rollout's
-    advantage_inputs: list[str]
+    advantage_inputs: tuple[str, ...]
     # advantages of a prompt group can be computed as soon as that group lands
     group_local: bool
     min_group_size: int
     # per-token fields the Actor trains on
-    train_fields: list[str]
+    train_fields: tuple[str, ...]
     # helper roles that hold a model, in launch order (ActorFwd is its own role in mode=async only;
     # mode=colocate runs that forward on the Actor)
-    model_roles: list[str]
-
-
-def needs_reference(a) -> bool:
-    """The Reference role runs for a KL loss term or a reward-side KL penalty (``a`` is cfg.algorithm)."""
-    return a.kl_loss_coef > 0 or a.kl_reward_coef > 0
+    model_roles: tuple[str, ...]
 
 
 def needs_old_logprobs(cfg, num_samples: int) -> bool:
@@ -256,13 +251,13 @@ def needs_old_logprobs(cfg, num_samples: int) -> bool:
 def requirements(cfg) -> Requirements:
     a, r = cfg.algorithm, cfg.rollout
     estimator = ESTIMATOR_SPECS.get(a.advantage_estimator)
-    reference = needs_reference(a)
+    reference = a.kl_loss_coef > 0 or a.kl_reward_coef > 0
     critic, teacher = a.critic is not None, a.teacher is not None
     actor_fwd = needs_old_logprobs(cfg, r.batch_size * r.n_samples_per_prompt)
     reward_kl = a.kl_reward_coef > 0
-    inputs = [VALUES] * critic + [TEACHER_LOGPROBS] * teacher + [REF_LOGPROBS] * reward_kl
+    inputs = (VALUES,) * critic + (TEACHER_LOGPROBS,) * teacher + (REF_LOGPROBS,) * reward_kl
     # distillation and the reward-side KL compare against the behaviour policy's log-probs
-    inputs += [OLD_LOGPROBS] * (actor_fwd and (teacher or reward_kl))
+    inputs += (OLD_LOGPROBS,) * (actor_fwd and (teacher or reward_kl))
     fwd_role = actor_fwd and cfg.mode.name == "async"
     roles = [("actor_fwd", fwd_role), ("reference", reference), ("critic", critic), ("teacher", teacher)]
     return Requirements(
@@ -273,6 +268,6 @@ def requirements(cfg) -> Requirements:
         advantage_inputs=inputs,
         group_local=estimator.group_local,
         min_group_size=_min_group_size(a),
-        train_fields=["advantages"] + [REF_LOGPROBS] * reference + [OLD_LOGPROBS] * actor_fwd,
-        model_roles=[name for name, needed in roles if needed],
+        train_fields=("advantages",) + (REF_LOGPROBS,) * reference + (OLD_LOGPROBS,) * actor_fwd,
+        model_roles=tuple(name for name, needed in roles if needed),
     )

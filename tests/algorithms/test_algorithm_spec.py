@@ -2,8 +2,9 @@
 
 Expected values are written by hand from the rules the engine followed before the spec existed
 (validation, async_loop.uses_actor_fwd / advantage_inputs / GROUP_LOCAL_ESTIMATORS, needs_reference,
-Controller.annotate), not computed by the code under test. The default run: 16 prompts x 8 samples =
-128 samples per step, no global_batch_size, ppo_epochs 1, mode=colocate.
+Controller.annotate at 91cbfab; relax_core/modes/plan.py after), not computed by the code under test.
+The default run: 16 prompts x 8 samples = 128 samples per step, no global_batch_size, ppo_epochs 1,
+mode=colocate.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ def needs(
         critic=critic,
         teacher=teacher,
         actor_fwd=actor_fwd,
-        advantage_inputs=list(advantage_inputs),
+        advantage_inputs=tuple(advantage_inputs),
         group_local=group_local,
         min_group_size=min_group_size,
-        train_fields=list(train_fields),
-        model_roles=list(model_roles),
+        train_fields=tuple(train_fields),
+        model_roles=tuple(model_roles),
     )
 
 
@@ -170,14 +171,14 @@ def test_reward_kl_with_several_optimizer_steps_waits_for_behaviour_logprobs():
 
 def test_distillation_with_several_optimizer_steps_waits_for_behaviour_logprobs():
     cfg = typed("algorithm=opd", "trainer.global_batch_size=32")
-    assert requirements(cfg).advantage_inputs == ["teacher_logprobs", "old_logprobs"]
-    assert requirements(cfg).model_roles == ["teacher"]  # colocate: the Actor runs that forward
+    assert requirements(cfg).advantage_inputs == ("teacher_logprobs", "old_logprobs")
+    assert requirements(cfg).model_roles == ("teacher",)  # colocate: the Actor runs that forward
 
 
 def test_ppo_with_a_kl_loss_launches_reference_before_critic():
     cfg = typed("algorithm=ppo", "algorithm.kl_loss_coef=0.05")
-    assert requirements(cfg).model_roles == ["reference", "critic"]
-    assert requirements(cfg).advantage_inputs == ["values"]
+    assert requirements(cfg).model_roles == ("reference", "critic")
+    assert requirements(cfg).advantage_inputs == ("values",)
 
 
 def test_old_logprobs_follow_the_size_of_the_batch_actually_trained():
