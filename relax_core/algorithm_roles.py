@@ -20,11 +20,6 @@ log = logging.getLogger("relax")
 FROZEN_ACTOR_METRICS = {"loss": 0.0, "entropy": float("nan"), "actor_frozen": 1.0}
 
 
-def needs_reference(algorithm_cfg) -> bool:
-    """The Reference role runs for a KL loss term or a reward-side KL penalty."""
-    return algorithm_cfg.kl_loss_coef > 0 or algorithm_cfg.kl_reward_coef > 0
-
-
 def critic_warming_up(algorithm_cfg, step: int) -> bool:
     """True for RL steps 1..``critic.warmup_steps``: the actor does not move until the values mean something."""
     return algorithm_cfg.critic is not None and step <= algorithm_cfg.critic.warmup_steps

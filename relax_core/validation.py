@@ -50,13 +50,7 @@ def validate(cfg) -> None:
         raise RelaxUserError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
     from relax_core.algorithms.checks import validate_algorithm
 
-    validate_algorithm(cfg)  # rloo with n=1, Dr. GRPO scale, ppo without a critic, ...
-    if a.clip_c is not None and a.clip_c <= 1.0:
-        raise RelaxUserError(f"algorithm.clip_c (dual clip) must be > 1 or null, got {a.clip_c}")
-    if a.norm_adv_by_std and r.n_samples_per_prompt < 2 and a.advantage_estimator == "grpo":
-        raise RelaxUserError(
-            "algorithm grpo needs rollout.n_samples_per_prompt >= 2 (a group to normalise over)"
-        )
+    validate_algorithm(cfg)  # the algorithm spec's rules: group sizes, roles, loss parameters
     if cfg.mode.max_staleness < 0:
         raise RelaxUserError(f"mode.max_staleness must be >= 0, got {cfg.mode.max_staleness}")
     if cfg.mode.name == "colocate" and cfg.mode.max_staleness != 0:

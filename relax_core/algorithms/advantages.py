@@ -58,6 +58,17 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, loss_mask: t
     return adv.unsqueeze(-1) * loss_mask
 
 
+@ADVANTAGE_ESTIMATORS.register("reinforce")
+def reinforce_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """Plain REINFORCE, no baseline: A_i = r_i on every response token.
+
+    The reference point the baselines of GRPO and RLOO improve on: same expected gradient, more variance.
+    """
+    return rewards.unsqueeze(-1) * loss_mask
+
+
 def last_token_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Token rewards ``[B, R]`` holding the outcome reward r_i on the last trained token of row i, 0 elsewhere.
 

@@ -1,11 +1,11 @@
-"""Name -> function registries; an algorithm config picks its pieces from these by name."""
+"""Name -> function (or spec) registries; an algorithm config picks its pieces from these by name."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-F = TypeVar("F", bound=Callable)
+F = TypeVar("F")
 
 
 class Registry(Generic[F]):
@@ -13,12 +13,16 @@ class Registry(Generic[F]):
         self.kind = kind
         self._fns: dict[str, F] = {}
 
+    def add(self, name: str, fn: F) -> F:
+        if name in self._fns:
+            raise ValueError(f"{self.kind} {name!r} registered twice")
+        self._fns[name] = fn
+        return fn
+
     def register(self, *names: str) -> Callable[[F], F]:
         def decorate(fn: F) -> F:
             for name in names:
-                if name in self._fns:
-                    raise ValueError(f"{self.kind} {name!r} registered twice")
-                self._fns[name] = fn
+                self.add(name, fn)
             return fn
 
         return decorate

@@ -12,7 +12,7 @@ from relax_launch.cli import CONFIG_MODULE, composition_problem
 
 ALGORITHMS = [
     "grpo", "dr_grpo", "dapo", "gspo", "sapo", "cispo", "rloo",
-    "reinforce_pp", "reinforce_pp_baseline", "ppo", "opd",
+    "reinforce", "reinforce_pp", "reinforce_pp_baseline", "ppo", "opd",
 ]  # fmt: skip
 
 
