@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 
+from relax_core.algorithms.spec import requirements
 from relax_core.checkpoint import (
     STOP_REQUEST,
     CheckpointManager,
@@ -27,7 +28,6 @@ from relax_core.health import GlobalRestartNeeded, HealthManager
 from relax_core.metrics import MetricsSink, format_step_line
 from relax_core.modes import build_mode
 from relax_core.modes.base import RunContext, resolve_threads
-from relax_core.modes.plan import requirements
 from relax_core.multimodal import MediaPrompts
 from relax_core.samples import Sample, TrainBatch
 from relax_models.loader import load_tokenizer, resolve_model_path

@@ -98,7 +98,7 @@ class AsyncMode(Mode):
 
     def _check_resources(self) -> None:
         r, t, m, needs = self.cfg.rollout, self.cfg.trainer, self.cfg.mode, self.ctx.needs
-        helpers = 1 + needs.actor_fwd + needs.reference + needs.critic + needs.teacher
+        helpers = 1 + len(needs.model_roles)
         need = r.num_cpus * r.num_engines + t.num_cpus + m.aux_num_cpus * helpers
         need += BUS_CPUS + (2.0 if m.databus == "transferqueue" else 0.0)
         have = ray.cluster_resources().get("CPU", 0.0)
@@ -229,7 +229,7 @@ class AsyncMode(Mode):
         cfg, needs = self.cfg, self.ctx.needs
         total = cfg.trainer.total_steps
         actor = self.roles.actor.actors[0]
-        extras = ["advantages"] + ["ref_logprobs"] * needs.reference + ["old_logprobs"] * needs.actor_fwd
+        extras = list(needs.train_fields)
         need = list(SAMPLE_FIELDS) + extras
         groups = self.roles.all()
         stages = [name for name in HELPER_STAGES if name in groups]

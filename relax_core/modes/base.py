@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
+from relax_core.algorithms.spec import Requirements
 from relax_core.data import PromptStream
-from relax_core.modes.plan import Requirements
 from relax_core.ray_groups import RoleGroup
 from relax_core.samples import PromptRecord, Sample
 

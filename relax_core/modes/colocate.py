@@ -16,6 +16,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynamic_sampling, critic_warming_up
+from relax_core.algorithms.spec import needs_old_logprobs
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
 from relax_core.ray_groups import RoleGroup
 from relax_core.roles.actor import Actor
@@ -48,7 +49,7 @@ class ColocateMode(Mode):
         # bundle i: rollout engine i (i < num_engines), actor rank i (i < world); bundle 0 also holds the
         # Reference, Critic and Teacher
         world = actor_world_size(t)
-        helpers = int(needs.reference) + int(needs.critic) + int(needs.teacher)
+        helpers = len(needs.model_roles)
         bundles = []
         for i in range(max(r.num_engines, world)):
             engines, trainers = int(i < r.num_engines), int(i < world) + (helpers if i == 0 else 0)
@@ -148,8 +149,7 @@ class ColocateMode(Mode):
         roles = self.roles
         if roles.reference is not None:
             batch.extras["ref_logprobs"] = ray.get(roles.reference.call("compute_ref_log_probs", batch)[0])
-        a, gbs = self.cfg.algorithm, self.cfg.trainer.global_batch_size
-        if a.ppo_epochs > 1 or (gbs and gbs < len(batch)):
+        if needs_old_logprobs(self.cfg, len(batch)):
             # several updates per batch: the first one's log-probs are the behaviour policy's (ActorFwd)
             batch.extras["old_logprobs"] = roles.actor.call_collective("compute_log_probs", batch)
         refs = {}
