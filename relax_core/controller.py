@@ -27,6 +27,7 @@ from relax_core.checkpoint import (
 from relax_core.data import PromptStream, dataset_paths, load_prompts
 from relax_core.health import GlobalRestartNeeded, HealthManager
 from relax_core.metrics import MetricsSink, format_step_line
+from relax_core.placement import actor_world_size, rank_env
 from relax_core.multimodal import MediaPrompts
 from relax_core.ray_groups import RoleGroup
 from relax_core.roles.actor import Actor
@@ -36,7 +37,6 @@ from relax_core.rollout_pool import RolloutPool
 from relax_core.samples import PromptRecord, Sample, TrainBatch
 from relax_models.loader import load_tokenizer, resolve_model_path
 from relax_models.megatron.cpu_shim import free_port
-from relax_models.megatron.launch import actor_world_size, rank_env
 
 log = logging.getLogger("relax")
 
@@ -120,7 +120,7 @@ class Controller:
 
             self.agent = AgentProgramRollout(self.cfg, self.rollout, self.tokenizer)
             self.agent.start()
-        # world > 1: megatron model-parallel ranks, one gloo/NCCL group over 127.0.0.1 (single host)
+        # world > 1: FSDP data-parallel or megatron model-parallel ranks, one gloo/NCCL group over 127.0.0.1 (single host)
         port = free_port() if world > 1 else 0
         self.actor = RoleGroup(
             Actor,

@@ -29,7 +29,13 @@ import torch
 import torch.distributed as dist
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
-from relax_core.backends.base import LossFn, TrainingBackend, accumulate_gradients, pad_to_width
+from relax_core.backends.base import (
+    LossFn,
+    TrainingBackend,
+    accumulate_gradients,
+    batch_to_device,
+    pad_to_width,
+)
 from relax_core.backends.schedule import lr_multiplier
 from relax_core.backends.torch_backend import rng_state, set_rng_state
 from relax_core.errors import RelaxUserError
@@ -175,7 +181,7 @@ class MegatronBackend(TrainingBackend):
 
     # ------------------------------------------------------------------ forward / train
     def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = _to_device(batch, self.device)
+        batch = batch_to_device(batch, self.device)
         module = self._ddp if self._ddp is not None else self.model
         logits = forward_logits(module, batch.input_ids, self.arch.vocab_size)
         logprobs, entropy = token_logprobs_and_entropy(logits, batch, self.temperature)
@@ -355,13 +361,3 @@ def _open_checkpoint(model_path: str) -> SafetensorsCheckpoint:
             "safetensors checkpoints only"
         ) from exc
 
-
-def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    if device.type == "cpu":
-        return batch
-    fields = {k: getattr(batch, k) for k in batch.__dataclass_fields__}
-    for k, v in fields.items():
-        if isinstance(v, torch.Tensor):
-            fields[k] = v.to(device)
-    fields["extras"] = {k: v.to(device) for k, v in batch.extras.items()}
-    return TrainBatch(**fields)
