@@ -27,8 +27,8 @@ from relax_core.checkpoint import (
 from relax_core.data import PromptStream, dataset_paths, load_prompts
 from relax_core.health import GlobalRestartNeeded, HealthManager
 from relax_core.metrics import MetricsSink, format_step_line
-from relax_core.placement import actor_world_size, rank_env
 from relax_core.multimodal import MediaPrompts
+from relax_core.placement import actor_world_size, rank_env
 from relax_core.ray_groups import RoleGroup
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages

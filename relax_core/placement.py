@@ -82,4 +82,6 @@ def check_training_ranks(cfg: Any) -> None:
         batches["trainer.sft_batch_size"] = t.sft_batch_size
     for key, size in batches.items():
         if size % dp:
-            raise RelaxUserError(f"{key}={size} does not divide over {dp} data-parallel ranks (trainer.dp_size)")
+            raise RelaxUserError(
+                f"{key}={size} does not divide over {dp} data-parallel ranks (trainer.dp_size)"
+            )

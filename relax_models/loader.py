@@ -75,7 +75,9 @@ def load_causal_lm(
                 path, dtype=DTYPES[dtype], attn_implementation=attn_implementation
             ).to(device)
         family = family_for_model_type(model_type)
-    return get_family(family).load(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation).to(device)
+    return (
+        get_family(family).load(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation).to(device)
+    )
 
 
 def model_family(path: str) -> str:

@@ -149,7 +149,10 @@ class FSDPBackend(TorchBackend):
             state = {"model": model_state, "optimizer": optim_state}
             dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
             set_state_dict(
-                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
             )
         else:
             state = {"model": get_model_state_dict(self.model)}

@@ -360,4 +360,3 @@ def _open_checkpoint(model_path: str) -> SafetensorsCheckpoint:
             f"model.path={model_path!r} has no *.safetensors weights; the megatron backend loads "
             "safetensors checkpoints only"
         ) from exc
-

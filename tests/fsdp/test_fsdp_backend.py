@@ -20,7 +20,10 @@ from relax_core.algorithms.objective import micro_batch_weight, policy_objective
 from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relax_core.samples import Sample, TrainBatch
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 
 WORLD = 2
 # clipping active (the tiny model's first gradient norm is well above 0.5): the norm must span all shards
@@ -50,7 +53,9 @@ def objective_step(backend, batch: TrainBatch, micro: int) -> dict[str, float]:
     total_tokens, total_seqs = float(batch.loss_mask.sum()), sequence_count(batch, ALGO)
 
     def loss_fn(mb, logprobs, entropy):
-        return policy_objective(mb, logprobs, entropy, ALGO, micro_batch_weight(mb, total_tokens, total_seqs, ALGO))
+        return policy_objective(
+            mb, logprobs, entropy, ALGO, micro_batch_weight(mb, total_tokens, total_seqs, ALGO)
+        )
 
     return backend.train_step(batch, loss_fn, micro)
 
