@@ -3,8 +3,9 @@
 One instance runs in each training process; the processes of one model replica form megatron's
 tensor/expert groups over the default ``torch.distributed`` group (started here from ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` when not yet running). Every method below that touches
-weights is *collective*: all ranks call it in step, and the ranks of one tensor-parallel group must get
-the same batch. Data-parallel ranks get different batches; their gradients are averaged.
+weights is *collective*: all ranks call it in step with the whole batch; each data-parallel replica
+(``trainer.dp_size``, or the replicas an expert grid adds) trains on its own slice of it, and the
+replicas' gradients are averaged with each scaled by their count, so N replicas take one replica's step.
 
 Log-probs come from :func:`relax_core.algorithms.logprobs.token_logprobs_and_entropy` on the full-vocab
 logits, so this backend optimises exactly the objective of the torch backend.
@@ -35,6 +36,8 @@ from relax_core.backends.base import (
     accumulate_gradients,
     batch_to_device,
     pad_to_width,
+    rank_slice,
+    reduce_metrics,
 )
 from relax_core.backends.schedule import lr_multiplier
 from relax_core.backends.torch_backend import rng_state, set_rng_state
@@ -203,7 +206,7 @@ class MegatronBackend(TrainingBackend):
         if self._ddp is not None:  # pragma: no cover - needs CUDA
             self._ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        out = accumulate_gradients(batch, self._logprobs_entropy, loss_fn, micro_batch_size)
+        out = self._accumulate(batch, loss_fn, micro_batch_size)
         if self._ddp is not None:  # pragma: no cover - needs CUDA
             from megatron.core.distributed import finalize_model_grads
 
@@ -221,6 +224,21 @@ class MegatronBackend(TrainingBackend):
         self._steps += 1
         out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0])
         return out
+
+    def _accumulate(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+        """Backward over this data-parallel replica's slice of ``batch``.
+
+        ``loss_fn`` weighs micro-batches against the whole batch, and the gradient reduction averages
+        over replicas, so each replica scales its gradient by their count: the step equals one replica's
+        step on the whole batch. Metrics are reduced over the replicas (loss summed, the rest averaged).
+        """
+        if self.dp_size == 1:
+            return accumulate_gradients(batch, self._logprobs_entropy, loss_fn, micro_batch_size)
+        from megatron.core import parallel_state as ps
+
+        local = rank_slice(batch, ps.get_data_parallel_rank(), self.dp_size)
+        out = accumulate_gradients(local, self._logprobs_entropy, loss_fn, micro_batch_size, self.dp_size)
+        return reduce_metrics(out, ps.get_data_parallel_group())
 
     def _named_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.model.named_parameters():
