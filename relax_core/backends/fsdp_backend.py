@@ -47,6 +47,11 @@ class FSDPBackend(TorchBackend):
         self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
         super().__init__(model_path, trainer_cfg, model_cfg, temperature=temperature, trainable=trainable)
 
+    def _load_device(self) -> torch.device:
+        """The CPU: ``fully_shard`` moves each layer to the accelerator as it shards it, so a GPU never
+        holds more than one full layer besides its shards."""
+        return torch.device("cpu")
+
     def _shard(self) -> None:
         mesh = init_device_mesh(self.device.type, (self.ranks,))
         # one unit per decoder layer (its all-gather overlaps the previous layer's compute on GPU), then

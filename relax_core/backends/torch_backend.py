@@ -49,7 +49,7 @@ class TorchBackend(TrainingBackend):
             model_cfg.dtype,
             model_cfg.attn_implementation,
             family=model_cfg.family,
-            device=self.device,
+            device=self._load_device(),
         )
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
@@ -60,6 +60,10 @@ class TorchBackend(TrainingBackend):
         self._shard()
         if trainable:
             self.reset_optimizer(trainer_cfg.lr)
+
+    def _load_device(self) -> torch.device:
+        """Where the full model is loaded: the role's device."""
+        return self.device
 
     def _shard(self) -> None:
         """Hook for sharded subclasses (FSDP): runs once the model is loaded, before the optimizer."""

@@ -70,6 +70,7 @@ def _nccl_worker(rank: int, port: int, model_dir: str) -> None:
 
     backend = FSDPBackend(model_dir, TrainerConfig(fsdp=True, dp_size=2), ModelConfig(dtype="bfloat16"))
     assert dist.get_backend() == "nccl" and backend.device.type == "cuda"
+    assert {p.to_local().device.type for p in backend.model.parameters()} == {"cuda"}
     assert len(backend.state_dict()) > 0
 
 
