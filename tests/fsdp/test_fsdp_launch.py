@@ -66,8 +66,9 @@ def test_two_fsdp_ranks_resume_from_a_sharded_checkpoint_like_the_uninterrupted_
     AutoModelForCausalLM.from_pretrained(resumed / "final_model")
 
 
-# the shortest budget that shows learning reliably on the default task with 2 FSDP ranks (see README)
-LEARNING_STEPS = 200
+# the shortest budget with margin on the default task with 2 FSDP ranks (seed 1, deterministic): 200 steps
+# gave a gain of 0.308, right on the bar; 300 steps 0.355; the full 500 steps 0.539 (see README)
+LEARNING_STEPS = 300
 
 
 @pytest.mark.slow
