@@ -6,6 +6,9 @@ Layout under ``<output_dir>/checkpoints/``::
         meta.json          step, time, what the folder holds (written last: a folder without it is partial)
         driver.pt          data position (PromptStream), metrics history, health counters, extra driver state
         actor/backend.pt   model, optimizer, scheduler, RNG states of the Actor (its backend writes it)
+        actor/dcp/, actor/fsdp_rank*.pt   instead, with trainer.fsdp: model + optimizer shards of every rank
+                           (torch.distributed.checkpoint), and each rank's scheduler and RNG state
+        actor/megatron_rank*.pt           instead, with trainer=megatron: one file per training rank
         rollout_0.pt ...   sampling-generator state of each rollout engine
 
 A checkpoint is first assembled in ``.tmp-step_N`` and then renamed to ``step_N`` (a rename within one

@@ -320,7 +320,9 @@ class RolloutConfig:
 
 @dataclass
 class MegatronParallelConfig:
-    """Parallel sizes of the megatron backend; their product divides the training world size."""
+    """Parallel sizes of the megatron backend; their product divides the training world size.
+
+    Data parallelism is ``trainer.dp_size`` (the same key as for FSDP)."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -368,6 +370,10 @@ class TrainerConfig:
     num_threads: int | None = None
     num_cpus: float = 0.5
     num_gpus: float = 0.0
+    # data-parallel Actor ranks; each trains on its own slice of every batch (torch: needs fsdp=true)
+    dp_size: int = 1
+    # torch backend: shard parameters, gradients and optimizer state over the ranks (FSDP2)
+    fsdp: bool = False
     megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
 
 

@@ -29,6 +29,9 @@ def validate(cfg) -> None:
 
         check_megatron_launch(cfg)
     from relax_core.multimodal import validate_model_and_modality
+    from relax_core.placement import check_training_ranks
+
+    check_training_ranks(cfg)
 
     validate_model_and_modality(cfg)
     for key, value in {

@@ -49,9 +49,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 def load_causal_lm(
-    path: str, dtype: str = "float32", attn_implementation: str = "sdpa", family: str | None = None
+    path: str,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    family: str | None = None,
+    device: torch.device | str = "cpu",
 ) -> torch.nn.Module:
-    """The trainable model of a local folder, on CPU, in ``dtype``.
+    """The trainable model of a local folder, on ``device`` (see ``relax_core.placement.role_device``),
+    in ``dtype``.
 
     ``family`` (``model.family``) picks the class from ``relax_models.families`` and checks the folder's
     ``model_type`` against it; without it the family follows from the ``model_type``, and a folder of no
@@ -68,9 +73,11 @@ def load_causal_lm(
         if model_type not in known:
             return AutoModelForCausalLM.from_pretrained(
                 path, dtype=DTYPES[dtype], attn_implementation=attn_implementation
-            )
+            ).to(device)
         family = family_for_model_type(model_type)
-    return get_family(family).load(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    return (
+        get_family(family).load(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation).to(device)
+    )
 
 
 def model_family(path: str) -> str:

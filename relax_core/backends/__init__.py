@@ -9,7 +9,15 @@ from relax_core.errors import RelaxUserError
 def build_backend(
     name: str, model_path: str, trainer_cfg, model_cfg, temperature: float, seed: int, trainable: bool = True
 ) -> TrainingBackend:
-    """The backend ``trainer.backend`` names; ``trainable=False`` for frozen scorers (Reference)."""
+    """The backend ``trainer.backend`` names; ``trainable=False`` for frozen scorers (Reference).
+
+    ``trainer.fsdp`` shards a *trainable* torch model over the Actor's data-parallel ranks; a frozen scorer
+    runs as one unsharded process (its group has a single replica).
+    """
+    if name == "torch" and trainable and getattr(trainer_cfg, "fsdp", False):
+        from relax_core.backends.fsdp_backend import FSDPBackend
+
+        return FSDPBackend(model_path, trainer_cfg, model_cfg, temperature=temperature)
     if name == "torch":
         from relax_core.backends.torch_backend import TorchBackend
 

@@ -6,11 +6,12 @@ losses, aggregation) comes from :mod:`relax_core.algorithms` so every backend tr
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from relax_core.samples import TrainBatch
+from relax_models.weight_buckets import bucket_by_bytes
 
 # (batch, token_logprobs [B, R], token_entropy [B, R]) -> (scalar loss, metrics)
 LossFn = Callable[[TrainBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
@@ -19,25 +20,64 @@ LogprobFn = Callable[[TrainBatch], tuple[torch.Tensor, torch.Tensor]]
 
 
 def accumulate_gradients(
-    batch: TrainBatch, logprob_fn: LogprobFn, loss_fn: LossFn, micro_batch_size: int
+    batch: TrainBatch,
+    logprob_fn: LogprobFn,
+    loss_fn: LossFn,
+    micro_batch_size: int,
+    grad_scale: float = 1.0,
 ) -> dict[str, float]:
     """Backward of ``loss_fn`` over the micro-batches of ``batch``; the caller steps the optimizer.
 
     Returns the metrics averaged over micro-batches, except ``loss``: the micro-batch losses are already
-    scaled for accumulation, so their sum is the batch loss.
+    scaled for accumulation, so their sum is the batch loss. ``grad_scale`` multiplies only the gradient:
+    data-parallel ranks whose gradients are *averaged* pass their count, so the result is the gradient of
+    the global batch's loss, as on one rank.
     """
     sums: dict[str, float] = {}
     micro_batches = batch.micro_batches(micro_batch_size)
     for micro in micro_batches:
         logprobs, entropy = logprob_fn(micro)
         loss, metrics = loss_fn(micro, logprobs, entropy)
-        loss.backward()
+        (loss * grad_scale if grad_scale != 1.0 else loss).backward()
         metrics["loss"] = float(loss.detach())
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
     out = {k: v / len(micro_batches) for k, v in sums.items()}
     out["loss"] = sums["loss"]
     return out
+
+
+def rank_slice(batch: TrainBatch, rank: int, ranks: int) -> TrainBatch:
+    """Data-parallel rank ``rank``'s contiguous share of ``batch`` (the batch must divide evenly, so every
+    rank runs the same number of micro-batches and the collectives inside them stay in step)."""
+    if len(batch) % ranks:
+        raise ValueError(f"a batch of {len(batch)} samples does not divide over {ranks} data-parallel ranks")
+    size = len(batch) // ranks
+    return batch.select(list(range(rank * size, (rank + 1) * size)))
+
+
+def reduce_metrics(metrics: dict[str, float], group=None) -> dict[str, float]:
+    """Metrics of the global batch from every data-parallel rank's: ``loss`` summed (the ranks' losses
+    are shares of one batch loss), everything else averaged. Collective over ``group``."""
+    import torch.distributed as dist
+
+    keys = sorted(metrics)
+    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(values, group=group)
+    ranks = dist.get_world_size(group)
+    return {k: float(v) if k == "loss" else float(v) / ranks for k, v in zip(keys, values)}
+
+
+def batch_to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    """``batch`` with its tensors on ``device`` (the same object on the CPU)."""
+    if device.type == "cpu":
+        return batch
+    fields = {k: getattr(batch, k) for k in batch.__dataclass_fields__}
+    for k, v in fields.items():
+        if isinstance(v, torch.Tensor):
+            fields[k] = v.to(device)
+    fields["extras"] = {k: v.to(device) for k, v in batch.extras.items()}
+    return TrainBatch(**fields)
 
 
 def pad_to_width(parts: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -71,6 +111,13 @@ class TrainingBackend(abc.ABC):
     @abc.abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Policy weights in HF parameter names (what rollout engines load)."""
+
+    def iter_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Full (gathered) weights in HF names, in buckets of at most ``bucket_bytes`` (a larger tensor
+        travels alone). Collective for sharded backends: every rank iterates in step. This default slices
+        :meth:`state_dict`; sharded backends gather bucket by bucket instead of holding a full copy."""
+        for bucket in bucket_by_bytes(self.state_dict().items(), bucket_bytes):
+            yield dict(bucket)
 
     @abc.abstractmethod
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

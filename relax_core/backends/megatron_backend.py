@@ -3,15 +3,19 @@
 One instance runs in each training process; the processes of one model replica form megatron's
 tensor/expert groups over the default ``torch.distributed`` group (started here from ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` when not yet running). Every method below that touches
-weights is *collective*: all ranks call it in step, and the ranks of one tensor-parallel group must get
-the same batch. Data-parallel ranks get different batches; their gradients are averaged.
+weights is *collective*: all ranks call it in step with the whole batch; each data-parallel replica
+(``trainer.dp_size``, or the replicas an expert grid adds) trains on its own slice of it, and the
+replicas' gradients are averaged with each scaled by their count, so N replicas take one replica's step.
 
 Log-probs come from :func:`relax_core.algorithms.logprobs.token_logprobs_and_entropy` on the full-vocab
 logits, so this backend optimises exactly the objective of the torch backend.
 
-CPU: plain ``torch.optim.AdamW`` with a tensor-parallel-aware global gradient-norm clip. GPU: megatron's
-distributed optimizer over a megatron ``DistributedDataParallel`` wrapper (not exercised by CPU tests).
-Pipeline and context parallelism are validated but not run by this backend yet.
+A trainable model is wrapped in megatron's ``DistributedDataParallel`` (fp32 gradient buffers) and its
+gradients are reduced by megatron's ``finalize_model_grads`` on every device (gloo on CPU). The optimizer:
+GPU, megatron's distributed optimizer (its state sharded over data-parallel ranks); CPU, a plain
+``torch.optim.AdamW`` on the reduced gradients with a tensor-parallel-aware global-norm clip, because
+megatron-core 0.16.1's optimizers allocate CUDA tensors unconditionally. Pipeline and context parallelism
+are validated but not run by this backend yet.
 """
 
 from __future__ import annotations
@@ -29,7 +33,15 @@ import torch
 import torch.distributed as dist
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
-from relax_core.backends.base import LossFn, TrainingBackend, accumulate_gradients, pad_to_width
+from relax_core.backends.base import (
+    LossFn,
+    TrainingBackend,
+    accumulate_gradients,
+    batch_to_device,
+    pad_to_width,
+    rank_slice,
+    reduce_metrics,
+)
 from relax_core.backends.schedule import lr_multiplier
 from relax_core.backends.torch_backend import rng_state, set_rng_state
 from relax_core.errors import RelaxUserError
@@ -47,10 +59,10 @@ from relax_models.megatron.model import (
     ParallelSizes,
     arch_from_hf_config,
     build_gpt_model,
-    finalize_grads,
     forward_logits,
     initialize_parallel,
     is_expert_param,
+    main_grads_to_grads,
     uses_transformer_engine,
 )
 
@@ -117,7 +129,21 @@ class MegatronBackend(TrainingBackend):
         self.scheduler: Any = None
         self._ddp: Any = None
         if trainable:
+            self._ddp = self._wrap_ddp()
             self.reset_optimizer(trainer_cfg.lr)
+
+    def _wrap_ddp(self) -> Any:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        return DistributedDataParallel(
+            config=self.model.config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=cuda_available(),
+            ),
+            module=self.model,
+        )
 
     def _set_training(self, training: bool) -> None:
         """On CPU the module always runs in eval mode: our configs have no dropout and no MoE aux loss,
@@ -141,17 +167,8 @@ class MegatronBackend(TrainingBackend):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._multiplier)
 
     def _build_megatron_optimizer(self, lr: float) -> None:  # pragma: no cover - needs CUDA
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        if self._ddp is None:
-            self._ddp = DistributedDataParallel(
-                config=self.model.config,
-                ddp_config=DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
-                ),
-                module=self.model,
-            )
         t = self.trainer_cfg
         betas = tuple(t.betas)
         self.optimizer = get_megatron_optimizer(
@@ -175,9 +192,16 @@ class MegatronBackend(TrainingBackend):
 
     # ------------------------------------------------------------------ forward / train
     def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = _to_device(batch, self.device)
+        batch = batch_to_device(batch, self.device)
         module = self._ddp if self._ddp is not None else self.model
-        logits = forward_logits(module, batch.input_ids, self.arch.vocab_size)
+        input_ids, length = batch.input_ids, batch.input_ids.shape[1]
+        if self.arch.num_experts and self.dp_size > 1:
+            # the MoE all-gather dispatcher needs equal token counts on every rank, but data-parallel
+            # replicas hold different slices: right-pad to the widest (causal, so logits are unchanged)
+            width = torch.tensor([length])
+            dist.all_reduce(width, op=dist.ReduceOp.MAX)
+            input_ids = torch.nn.functional.pad(input_ids, (0, int(width) - length))
+        logits = forward_logits(module, input_ids, self.arch.vocab_size)[:, :length]
         logprobs, entropy = token_logprobs_and_entropy(logits, batch, self.temperature)
         return logprobs.cpu(), entropy.cpu()
 
@@ -193,28 +217,42 @@ class MegatronBackend(TrainingBackend):
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen backend (trainable=False)")
-        self._set_training(True)
-        if self._ddp is not None:  # pragma: no cover - needs CUDA
-            self._ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        out = accumulate_gradients(batch, self._logprobs_entropy, loss_fn, micro_batch_size)
-        if self._ddp is not None:  # pragma: no cover - needs CUDA
-            from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import finalize_model_grads
 
-            finalize_model_grads([self._ddp])
+        self._set_training(True)
+        self._ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = self._accumulate(batch, loss_fn, micro_batch_size)
+        finalize_model_grads([self._ddp])  # data-parallel all-reduce, q/k-norm sum over TP
+        if self._megatron_optimizer():  # pragma: no cover - needs CUDA
             for group in self.optimizer.param_groups:
                 group["lr"] = self._lr()
             _, grad_norm, _ = self.optimizer.step()
             out.update(grad_norm=float(grad_norm or 0.0), lr=self._lr())
             self._steps += 1
             return out
-        finalize_grads(self.model)
+        main_grads_to_grads(self.model)
         grad_norm = self._clip_grads()
         self.optimizer.step()
         self.scheduler.step()
         self._steps += 1
         out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0])
         return out
+
+    def _accumulate(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+        """Backward over this data-parallel replica's slice of ``batch``.
+
+        ``loss_fn`` weighs micro-batches against the whole batch, and the gradient reduction averages
+        over replicas, so each replica scales its gradient by their count: the step equals one replica's
+        step on the whole batch. Metrics are reduced over the replicas (loss summed, the rest averaged).
+        """
+        if self.dp_size == 1:
+            return accumulate_gradients(batch, self._logprobs_entropy, loss_fn, micro_batch_size)
+        from megatron.core import parallel_state as ps
+
+        local = rank_slice(batch, ps.get_data_parallel_rank(), self.dp_size)
+        out = accumulate_gradients(local, self._logprobs_entropy, loss_fn, micro_batch_size, self.dp_size)
+        return reduce_metrics(out, ps.get_data_parallel_group())
 
     def _named_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.model.named_parameters():
@@ -264,21 +302,24 @@ class MegatronBackend(TrainingBackend):
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Accepts module- or checkpoint-named HF weights; each rank copies its own shard."""
         self.bridge.load_into(self.model, unfuse_experts(state_dict), self.ranks)
-        if self._ddp is not None:  # pragma: no cover - needs CUDA
+        if self._megatron_optimizer():  # pragma: no cover - needs CUDA
             self.optimizer.reload_model_params()  # fp32 main params follow the new weights
 
     # ------------------------------------------------------------------ checkpoints
-    def _rank_file(self, path: str) -> Path:
-        return Path(path) / f"megatron_rank{dist.get_rank():05d}.pt"
+    def _rank_file(self, path: str, kind: str = "") -> Path:
+        return Path(path) / f"megatron{kind}_rank{dist.get_rank():05d}.pt"
+
+    def _megatron_optimizer(self) -> bool:
+        """Whether the optimizer is megatron's distributed one (GPU) rather than a torch AdamW (CPU)."""
+        return self.optimizer is not None and hasattr(self.optimizer, "reload_model_params")
 
     def save_checkpoint(self, path: str) -> None:
+        """Per rank: model shard, optimizer, scheduler, RNG. The distributed optimizer's sharded moments
+        are gathered to data-parallel rank 0 of each model-parallel group (megatron's own format)."""
         os.makedirs(path, exist_ok=True)
-        if self._ddp is not None:  # pragma: no cover - needs CUDA
-            # the distributed optimizer's sharded state needs megatron dist_checkpointing: not done yet
-            log.warning("megatron GPU checkpoint: weights and RNG only; the optimizer restarts on resume")
-            optimizer_state = None
-        else:
-            optimizer_state = self.optimizer.state_dict() if self.optimizer else None
+        optimizer_state = self.optimizer.state_dict() if self.optimizer else None
+        if self._megatron_optimizer():  # pragma: no cover - needs CUDA
+            self.optimizer.save_parameter_state(str(self._rank_file(path, "_optimizer_params")))
         torch.save(
             {
                 "model": {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")},
@@ -319,10 +360,11 @@ class MegatronBackend(TrainingBackend):
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        if self._ddp is not None:  # pragma: no cover - needs CUDA
-            self.optimizer.reload_model_params()
-        elif self.optimizer is not None and state["optimizer"] is not None:
+        if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+        if self._megatron_optimizer():  # pragma: no cover - needs CUDA
+            self.optimizer.reload_model_params()
+            self.optimizer.load_parameter_state(str(self._rank_file(path, "_optimizer_params")))
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self._steps = state["steps"]
@@ -354,14 +396,3 @@ def _open_checkpoint(model_path: str) -> SafetensorsCheckpoint:
             f"model.path={model_path!r} has no *.safetensors weights; the megatron backend loads "
             "safetensors checkpoints only"
         ) from exc
-
-
-def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    if device.type == "cpu":
-        return batch
-    fields = {k: getattr(batch, k) for k in batch.__dataclass_fields__}
-    for k, v in fields.items():
-        if isinstance(v, torch.Tensor):
-            fields[k] = v.to(device)
-    fields["extras"] = {k: v.to(device) for k, v in batch.extras.items()}
-    return TrainBatch(**fields)

@@ -1,4 +1,4 @@
-"""Training backend on a plain HF model with AdamW (CPU, or one GPU)."""
+"""Training backend on a plain HF model with AdamW, on the device of its role (CPU, or one GPU)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,16 @@ import numpy as np
 import torch
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
-from relax_core.backends.base import LossFn, TrainingBackend, accumulate_gradients, pad_to_width
+from relax_core.backends.base import (
+    LossFn,
+    TrainingBackend,
+    accumulate_gradients,
+    batch_to_device,
+    pad_to_width,
+)
 from relax_core.backends.schedule import lr_multiplier
 from relax_core.multimodal import multimodal_model_inputs
+from relax_core.placement import role_device
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_causal_lm, load_tokenizer
 
@@ -36,8 +43,13 @@ class TorchBackend(TrainingBackend):
         self.model_path = model_path
         self.temperature = temperature
         self.family = model_cfg.family
+        self.device = role_device()
         self.model = load_causal_lm(
-            model_path, model_cfg.dtype, model_cfg.attn_implementation, family=model_cfg.family
+            model_path,
+            model_cfg.dtype,
+            model_cfg.attn_implementation,
+            family=model_cfg.family,
+            device=self._load_device(),
         )
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
@@ -45,8 +57,16 @@ class TorchBackend(TrainingBackend):
             self.model.gradient_checkpointing_enable()
         self.trainer_cfg = trainer_cfg
         self.optimizer = self.scheduler = None
+        self._shard()
         if trainable:
             self.reset_optimizer(trainer_cfg.lr)
+
+    def _load_device(self) -> torch.device:
+        """Where the full model is loaded: the role's device."""
+        return self.device
+
+    def _shard(self) -> None:
+        """Hook for sharded subclasses (FSDP): runs once the model is loaded, before the optimizer."""
 
     def reset_optimizer(self, lr: float) -> None:
         t = self.trainer_cfg
@@ -58,9 +78,11 @@ class TorchBackend(TrainingBackend):
     def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # multimodal rows: pixel/audio tensors as forward kwargs; the model derives its M-RoPE positions
         # from input_ids + grids itself, so no position_ids are passed (right padding is fine)
+        batch = batch_to_device(batch, self.device)
         input_ids, mm = multimodal_model_inputs(self.family, self.model, batch)
         logits = self.model(input_ids=input_ids, attention_mask=batch.attention_mask, **mm).logits
-        return token_logprobs_and_entropy(logits, batch, self.temperature)
+        logprobs, entropy = token_logprobs_and_entropy(logits, batch, self.temperature)
+        return logprobs.cpu(), entropy.cpu()  # the loss runs next to the batch's masks (CPU)
 
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, micro_batch_size: int = 64) -> torch.Tensor:
@@ -79,7 +101,7 @@ class TorchBackend(TrainingBackend):
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict, strict=False)

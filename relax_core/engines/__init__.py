@@ -49,7 +49,10 @@ def build_engine(
         from relax_models.loader import DTYPES
 
         family = family_for_model_type(AutoConfig.from_pretrained(model_path).model_type)
+        from relax_core.placement import role_device
+
         model = FAMILIES[family].load(model_path, DTYPES[model_cfg.dtype], model_cfg.attn_implementation)
+        model = model.to(role_device())  # the engine decodes on its model's device
         dtype = engine_dtype(rollout_cfg.dtype) if rollout_cfg is not None else None
         return TorchEngine(
             model,

@@ -18,6 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynamic_sampling, critic_warming_up
 from relax_core.algorithms.spec import needs_old_logprobs
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
+from relax_core.placement import actor_world_size, rank_env
 from relax_core.ray_groups import RoleGroup
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
@@ -28,7 +29,6 @@ from relax_core.rollout_pool import RolloutPool
 from relax_core.samples import PromptRecord, Sample, TrainBatch
 from relax_core.weight_transfer import WeightTransfer, choose_strategy
 from relax_models.megatron.cpu_shim import free_port
-from relax_models.megatron.launch import actor_world_size, rank_env
 
 log = logging.getLogger("relax")
 
@@ -60,7 +60,7 @@ class ColocateMode(Mode):
         self.pg = placement_group(bundles, strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)
         args = (cfg, self.ctx.model_path)
-        # world > 1: megatron model-parallel ranks, one gloo/NCCL group over 127.0.0.1 (single host)
+        # world > 1: FSDP data-parallel or megatron model-parallel ranks, one gloo/NCCL group on 127.0.0.1
         port = free_port() if world > 1 else 0
         self.roles.actor = RoleGroup(
             Actor,

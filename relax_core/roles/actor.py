@@ -41,11 +41,12 @@ def staleness_metrics(versions: list[int], trained_version: int) -> dict[str, fl
 
 class Actor(WeightSource, WeightReceiver):
     def __init__(self, cfg, model_path: str, replica: int = 0, bus: DataBus | None = None) -> None:
-        """``replica``: this process's rank in a model-parallel Actor group (megatron world > 1).
+        """``replica``: this process's rank in a multi-process Actor group (FSDP data-parallel ranks, or
+        the megatron training world; see ``relax_core.placement.actor_world_size``).
 
-        Every rank gets every call with the same batch and runs it collectively; only rank 0 returns
-        weights (:meth:`state_dict`), the others return an empty dict. ``bus``: the DataBus it reads its
-        steps from in mode=async.
+        Every rank gets every call with the whole batch and runs it collectively (its backend trains on
+        the rank's own slice); only rank 0 returns weights (:meth:`state_dict`), the others an empty dict.
+        ``bus``: the DataBus it reads its steps from in mode=async.
         """
         use_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.seed)

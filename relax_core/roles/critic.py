@@ -9,9 +9,11 @@ import torch
 from relax_core.algorithms.advantages import gae, last_token_rewards
 from relax_core.algorithms.logprobs import response_positions
 from relax_core.algorithms.value import clipped_value_loss
+from relax_core.backends.base import batch_to_device
 from relax_core.databus import DataBus, partition_name, sample_key
 from relax_core.databus.records import SAMPLE_FIELDS, batch_from_rows
 from relax_core.databus.stages import score_stage
+from relax_core.placement import role_device
 from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_causal_lm, load_tokenizer
@@ -24,19 +26,28 @@ class ValueModel(torch.nn.Module):
     token t (``prompt_len + t − 1``), the same position the policy scores that token at.
     """
 
-    def __init__(self, model_path: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        attn_implementation: str = "sdpa",
+        device: torch.device | str = "cpu",
+    ) -> None:
         super().__init__()
-        self.trunk = load_causal_lm(model_path, dtype, attn_implementation)
+        self.trunk = load_causal_lm(model_path, dtype, attn_implementation, device=device)
         self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
+        self.head.to(device)
 
     def forward(self, batch: TrainBatch) -> torch.Tensor:
+        """Values ``[B, R]`` on the CPU, next to the batch's masks and returns."""
+        batch = batch_to_device(batch, self.head.weight.device)
         hidden = self.trunk.base_model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask
         ).last_hidden_state
         values = self.head(hidden).squeeze(-1).float()  # [B, L]
-        return values.gather(1, response_positions(batch)) * batch.loss_mask
+        return (values.gather(1, response_positions(batch)) * batch.loss_mask).cpu()
 
 
 class Critic:
@@ -50,7 +61,7 @@ class Critic:
         self.cfg = cfg.algorithm.critic
         self.gamma, self.lam = cfg.algorithm.gamma, cfg.algorithm.lam
         self.model = ValueModel(
-            self.cfg.model_path or model_path, cfg.model.dtype, cfg.model.attn_implementation
+            self.cfg.model_path or model_path, cfg.model.dtype, cfg.model.attn_implementation, role_device()
         )
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
 
@@ -134,4 +145,4 @@ class Critic:
         self.model.trunk.load_state_dict(state_dict, strict=False)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

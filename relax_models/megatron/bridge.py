@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from relax_models.megatron.model import ArchSpec, ParallelSizes
+from relax_models.weight_buckets import bucket_by_bytes  # noqa: F401  (re-exported for the megatron backend)
 
 HFStateDict = Mapping[str, torch.Tensor]
 
@@ -375,29 +376,6 @@ class Qwen3Bridge:
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """:meth:`iter_hf_weights` grouped into lists of at most ``bucket_bytes`` (weight sync)."""
         return bucket_by_bytes(self.iter_hf_weights(model, ranks), bucket_bytes)
-
-
-def bucket_by_bytes(
-    items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group ``(name, tensor)`` pairs into lists whose total size stays within ``bucket_bytes``.
-
-    A single tensor larger than the budget travels alone rather than being split, so receivers always
-    get whole parameters.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    used = 0
-    for name, tensor in items:
-        size = tensor.numel() * tensor.element_size()
-        if bucket and used + size > bucket_bytes:
-            yield bucket
-            bucket, used = [], 0
-        bucket.append((name, tensor))
-        used += size
-    if bucket:
-        yield bucket
 
 
 _FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")

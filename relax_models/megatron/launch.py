@@ -1,10 +1,9 @@
 """What the launcher needs to know about the megatron backend *before* Ray starts.
 
 The training world of one Actor group is the smallest number of processes every megatron parallel
-dimension fits in: ``lcm(tensor x pipeline x context, expert_tensor x expert x pipeline)``. Each process
-is one Actor replica and gets the ``torch.distributed`` rank environment from :func:`rank_env`; all
-replicas get the same batches, so any data-parallel ranks left over (from expert parallelism) compute the
-same gradients and the averaged result equals the one-process step.
+dimension and ``trainer.dp_size`` replicas fit in (:func:`training_world_size`). Each process is one Actor
+rank and gets the ``torch.distributed`` rank environment from ``relax_core.placement.rank_env``; the
+ranks of one data-parallel replica share a slice of each batch, the replicas split it.
 """
 
 from __future__ import annotations
@@ -26,32 +25,22 @@ from relax_models.megatron.model import (
 MEGATRON_FAMILIES = ("qwen3", "qwen3_moe")
 
 
-def actor_world_size(trainer_cfg: Any) -> int:
-    """Actor replicas the trainer needs: the megatron training world, 1 for other backends."""
-    if trainer_cfg.backend != "megatron":
-        return 1
-    return training_world_size(trainer_cfg.megatron)
+def training_world_size(parallel: Any, dp_size: int = 1) -> int:
+    """Processes one Actor group needs for ``trainer.megatron`` and ``trainer.dp_size``.
 
-
-def training_world_size(parallel: Any) -> int:
-    """Processes one Actor group needs for ``trainer.megatron`` (1 when every size is 1)."""
+    ``lcm(tensor x pipeline x context x dp_size, expert_tensor x expert x pipeline)``: at least
+    ``dp_size`` model replicas, and enough ranks for the expert grid (which may add replicas).
+    """
     sizes = parallel if isinstance(parallel, ParallelSizes) else ParallelSizes.from_config(parallel)
     dense = sizes.tensor * sizes.pipeline * sizes.context
     expert = sizes.etp * sizes.expert * sizes.pipeline
-    return math.lcm(max(dense, 1), max(expert, 1))
+    return math.lcm(max(dense, 1) * max(dp_size, 1), max(expert, 1))
 
 
-def rank_env(rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1") -> dict[str, str]:
-    """The environment ``cpu_shim.init_process_group`` reads in replica ``rank`` (torchrun's names).
-
-    No ``LOCAL_RANK``: Ray shows each GPU actor only its own device, which is then ``cuda:0``.
-    """
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-    }
+def data_parallel_size(parallel: Any, dp_size: int = 1) -> int:
+    """Model replicas in the training world; each trains on its own slice of every batch."""
+    sizes = parallel if isinstance(parallel, ParallelSizes) else ParallelSizes.from_config(parallel)
+    return training_world_size(sizes, dp_size) // (sizes.tensor * sizes.pipeline * sizes.context)
 
 
 def _launch_arch(model_cfg: Any) -> ArchSpec | None:
@@ -98,7 +87,7 @@ def check_megatron_launch(cfg: Any) -> int:
             f"trainer.megatron.pipeline={sizes.pipeline}, context={sizes.context}: the megatron backend runs "
             "tensor and expert parallelism only so far; set pipeline=1 and context=1"
         )
-    world = training_world_size(sizes)
+    world = training_world_size(sizes, cfg.trainer.dp_size)
     if world > 1 and cfg.mode.name != "colocate":
         raise RelaxUserError(
             f"trainer.megatron sizes need {world} Actor processes, which only mode=colocate starts so far; "

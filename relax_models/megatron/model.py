@@ -315,7 +315,7 @@ def transformer_config(
         expert_model_parallel_size=sizes.expert,
         expert_tensor_parallel_size=sizes.expert_tensor,
         # GPU + TE: sequence parallel (megatron requires it for MoE with TP in training). CPU: torch
-        # norms cannot run sequence parallel; see ``finalize_grads`` for what that implies.
+        # norms cannot run sequence parallel; see ``main_grads_to_grads`` for what that implies.
         sequence_parallel=on_gpu and _have_transformer_engine() and sizes.tensor > 1,
     )
     if arch.is_moe:
@@ -410,59 +410,25 @@ def is_expert_param(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def finalize_grads(model: torch.nn.Module) -> None:
-    """Make local gradients equal the gradient of the mean loss over data-parallel replicas.
+def main_grads_to_grads(model: torch.nn.Module) -> None:
+    """After megatron's ``finalize_model_grads`` on CPU: the reduced fp32 ``main_grad`` buffers become the
+    ``.grad`` a plain torch optimizer reads.
 
-    What megatron's ``finalize_model_grads`` does on GPU, for the CPU configuration (no sequence
-    parallelism, plain ``.grad``):
-
-    * q/k RMSNorm gains: each TP rank normalises only its own heads, so their gradient is the **sum**
-      over the tensor-parallel group;
-    * routed experts: without sequence parallelism every TP rank holds the same tokens and the MoE
-      all-gather dispatcher hands each token to an expert once per TP rank, so expert gradients are
-      divided by the TP size;
-    * data parallel: dense gradients are averaged over the data(+context)-parallel group; expert
-      gradients are summed over the expert-data-parallel group and divided by the same DP size (their
-      tokens already came from every replica of the expert-parallel group).
+    Without sequence parallelism (CPU) every tensor-parallel rank routes the same tokens, and the MoE
+    all-gather dispatcher hands each token to an expert once per TP rank; megatron (which requires
+    sequence parallelism for MoE + TP in training) does not correct for that, so expert gradients are
+    divided by the TP size here.
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
-    dp = ps.get_data_parallel_world_size(with_context_parallel=True)
-    qk_norms, dense, experts = [], [], []
     for name, p in model.named_parameters():
-        if p.grad is None:
+        grad = getattr(p, "main_grad", None)
+        if grad is None:
             continue
-        if is_expert_param(name):
-            experts.append(p.grad)
-        else:
-            dense.append(p.grad)
-            if "q_layernorm" in name or "k_layernorm" in name:
-                qk_norms.append(p.grad)
-    if tp > 1:
-        _all_reduce_coalesced(qk_norms, ps.get_tensor_model_parallel_group())
-        for g in experts:
-            g.div_(tp)
-    if dp > 1:
-        _all_reduce_coalesced(dense, ps.get_data_parallel_group(with_context_parallel=True))
-        if dist.get_world_size(ps.get_expert_data_parallel_group()) > 1:
-            _all_reduce_coalesced(experts, ps.get_expert_data_parallel_group())
-        for g in dense + experts:
-            g.div_(dp)
-
-
-def _all_reduce_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
-    import torch.distributed as dist
-
-    if not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
+        if tp > 1 and is_expert_param(name):
+            grad = grad / tp
+        p.grad = grad.to(p.dtype)
 
 
 def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -168,3 +168,18 @@ def test_export_hf_folder_loads_with_transformers(tiny_model_dir: Path, tokenize
 def test_unknown_backend_is_a_user_error(tiny_model_dir: Path) -> None:
     with pytest.raises(RelaxUserError, match="trainer.backend='nope'"):
         build_backend("nope", str(tiny_model_dir), TRAINER, ModelConfig(), temperature=1.0, seed=0)
+
+
+def test_iter_weights_streams_the_state_dict_in_bounded_buckets(tiny_model_dir: Path) -> None:
+    from relax_core.placement import role_device
+
+    backend = TorchBackend(str(tiny_model_dir), TRAINER, ModelConfig())
+    assert backend.device == role_device() == torch.device("cpu")  # no GPU on this machine
+    full = backend.state_dict()
+    buckets = list(backend.iter_weights(bucket_bytes=50_000))
+    assert len(buckets) > 1
+    assert [name for b in buckets for name in b] == list(full)
+    for bucket in buckets:
+        size = sum(t.numel() * t.element_size() for t in bucket.values())
+        assert size <= 50_000 or len(bucket) == 1  # a larger tensor travels alone
+        assert all(torch.equal(t, full[name]) for name, t in bucket.items())

@@ -237,7 +237,12 @@ def test_unsupported_settings_are_user_errors(folders, tmp_path) -> None:
 
 
 # ---------------------------------------------------------------------- two processes
-PARALLEL_CASES = {"tp2_dense": ("dense", {"tensor": 2}), "ep2_moe": ("moe", {"expert": 2})}
+# dp2: two data-parallel replicas, each training on its half of every batch; ep2 also has two replicas
+PARALLEL_CASES = {
+    "tp2_dense": ("dense", {"tensor": 2}),
+    "dp2_dense": ("dense", {}),
+    "ep2_moe": ("moe", {"expert": 2}),
+}
 
 
 def _parallel_worker(rank: int, port: int, folders: dict[str, str], out_dir: str) -> None:
@@ -254,7 +259,7 @@ def _parallel_worker(rank: int, port: int, folders: dict[str, str], out_dir: str
             )
             metrics = []
             for step in range(2):
-                batch = _batch(seed=step)  # every rank trains on the same batch
+                batch = _batch(seed=step)  # every rank gets the whole batch; DP replicas slice it
                 metrics.append(mega.train_step(batch, _loss_fn(float(batch.loss_mask.sum())), 4))
             state = mega.state_dict()  # collective: every rank gathers
             result: dict[str, Any] = {"metrics": metrics, "state": state if rank == 0 else None}

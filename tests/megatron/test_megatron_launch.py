@@ -20,7 +20,8 @@ import pytest
 from relax_core.backends.schedule import lr_multiplier
 from relax_core.config import TrainerConfig
 from relax_core.errors import RelaxUserError
-from relax_models.megatron.launch import check_megatron_launch, rank_env, training_world_size
+from relax_core.placement import rank_env
+from relax_models.megatron.launch import check_megatron_launch, training_world_size
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

@@ -48,9 +48,9 @@ def _worker(rank: int, port: int, queue: Any) -> None:
         ParallelSizes,
         arch_from_hf_config,
         build_gpt_model,
-        finalize_grads,
         forward_logits,
         initialize_parallel,
+        main_grads_to_grads,
     )
 
     makers = {"dense": dense_config, "moe": moe_config, "shared": shared_expert_config}
@@ -87,9 +87,19 @@ def _worker(rank: int, port: int, queue: Any) -> None:
                 result["logits_diff"] = (got - expected).abs().max().item()
                 # the backward through the sharded ops gives the HF gradients
                 weights = torch.linspace(-1, 1, expected.numel()).view_as(expected)
+                # megatron's DDP + finalize_model_grads reduce the gradients, as in the backend
+                from megatron.core.distributed import (
+                    DistributedDataParallel,
+                    DistributedDataParallelConfig,
+                    finalize_model_grads,
+                )
+
+                ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+                got = forward_logits(ddp, ids, arch.vocab_size)
                 (got * weights).sum().backward()
                 (expected * weights).sum().backward()
-                finalize_grads(model)
+                finalize_model_grads([ddp])
+                main_grads_to_grads(model)
                 for p in model.parameters():
                     p.data = p.grad
                 grads = dict(bridge.iter_hf_weights(model, ranks))

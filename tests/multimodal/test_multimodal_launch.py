@@ -130,7 +130,7 @@ RECIPES = {
 
 def _gpus(cfg: RelaxConfig) -> float:
     """GPUs the colocated placement group asks for: engines plus actor ranks (see the controller)."""
-    from relax_models.megatron.launch import actor_world_size
+    from relax_core.placement import actor_world_size
 
     return (
         cfg.rollout.num_engines * cfg.rollout.num_gpus + actor_world_size(cfg.trainer) * cfg.trainer.num_gpus

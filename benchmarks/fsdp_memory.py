@@ -1,0 +1,133 @@
+"""Per-rank memory and step time of the Actor backend: unsharded torch vs FSDP2 over 1 and 2 ranks.
+
+    python benchmarks/fsdp_memory.py                      # 27M-parameter Qwen3, 16 x 64-token batch, 3 steps
+    python benchmarks/fsdp_memory.py --hidden 256 --layers 4 --steps 2
+
+Each configuration runs in fresh processes (gloo on 127.0.0.1, one thread per rank) and trains on the same
+global batch. One JSON line per rank:
+
+* ``param_mb`` / ``grad_mb`` / ``optim_mb``: bytes of this rank's parameter, gradient and AdamW-state
+  tensors (local shards under FSDP), measured from the tensors after the last step;
+* ``peak_rss_mb``: the process's peak resident memory (includes Python, torch and the full model that is
+  loaded before sharding, so it falls by less than the tensor totals);
+* ``step_s``: median wall time of one optimizer step (the global batch split over the ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _batch(tokenizer, samples: int, length: int):
+    from relax_core.samples import Sample, TrainBatch
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(samples):
+        ids = torch.randint(3, len(tokenizer), (length,), generator=gen).tolist()
+        half = length // 2
+        rows.append(
+            Sample(i // 4, i % 4, ids[:half], ids[half:], [0.0] * half, [1] * half, reward=float(i % 2))
+        )
+    batch = TrainBatch.from_samples(rows, tokenizer.pad_token_id)
+    batch.extras["advantages"] = torch.linspace(-1, 1, samples).unsqueeze(1) * batch.loss_mask
+    return batch
+
+
+def _mb(tensors) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _rank(rank: int, world: int, kind: str, port: int, model_dir: str, args, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
+    from relax_core.backends.fsdp_backend import FSDPBackend
+    from relax_core.backends.torch_backend import TorchBackend
+    from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
+    from relax_models.loader import load_tokenizer
+
+    trainer = TrainerConfig(lr=1e-4, lr_decay="constant", fsdp=kind == "fsdp", dp_size=world)
+    backend = (FSDPBackend if kind == "fsdp" else TorchBackend)(model_dir, trainer, ModelConfig())
+    batch = _batch(load_tokenizer(model_dir), args.samples, args.length)
+    algo = AlgorithmConfig()
+    tokens, seqs = float(batch.loss_mask.sum()), sequence_count(batch, algo)
+
+    def loss_fn(mb, logprobs, entropy):
+        return policy_objective(mb, logprobs, entropy, algo, micro_batch_weight(mb, tokens, seqs, algo))
+
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        backend.train_step(batch, loss_fn, args.micro)
+        times.append(time.perf_counter() - start)
+    params = list(backend.model.parameters())
+    optim = [v for state in backend.optimizer.state.values() for v in state.values() if v.dim() > 0]
+    row = {
+        "kind": kind,
+        "ranks": world,
+        "rank": rank,
+        "params_total_m": round(sum(p.numel() for p in params) / 1e6, 2),  # a DTensor counts its global size
+        "param_mb": round(_mb(_local(p) for p in params), 1),
+        "grad_mb": round(_mb(_local(p.grad) for p in params if p.grad is not None), 1),
+        "optim_mb": round(_mb(_local(v) for v in optim), 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "step_s": round(statistics.median(times), 3),
+        "global_batch": f"{args.samples}x{args.length}",
+    }
+    (Path(out) / f"{kind}{world}_{rank}.json").write_text(json.dumps(row))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+
+    from relax_models.megatron.cpu_shim import free_port
+    from relax_models.tiny import build_tiny_qwen3
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dims = dict(
+            hidden_size=args.hidden,
+            intermediate_size=3 * args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=args.hidden // 8,
+            max_position_embeddings=256,
+        )
+        model_dir = str(build_tiny_qwen3(Path(tmp) / "model", seed=0, **dims))
+        for kind, world in (("torch", 1), ("fsdp", 1), ("fsdp", 2)):
+            mp.start_processes(
+                _rank,
+                args=(world, kind, free_port(), model_dir, args, tmp),
+                nprocs=world,
+                start_method="spawn",
+            )
+            for rank in range(world):
+                print(Path(tmp, f"{kind}{world}_{rank}.json").read_text(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""The torch backend sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``) over data-parallel ranks.
+
+One instance runs in each Actor rank (``trainer.dp_size`` ranks, gloo on CPU, NCCL on GPU). Every method
+that touches weights is collective: the driver calls all ranks with the *whole* batch and each rank trains
+on its own contiguous slice. Gradients are averaged by FSDP's reduce-scatter, so each rank scales its
+gradient by the rank count: N ranks then take exactly the step one rank takes on the global batch.
+
+Parameters, gradients and AdamW state exist only as shards (``DTensor``); gradient clipping uses the norm
+over all shards; checkpoints go through ``torch.distributed.checkpoint`` (one shard file per rank, plus each
+rank's scheduler and RNG state); weights leave the group gathered one bucket at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from relax_core.backends.base import LossFn, accumulate_gradients, pad_to_width, rank_slice, reduce_metrics
+from relax_core.backends.torch_backend import TorchBackend, rng_state, set_rng_state
+from relax_core.samples import TrainBatch
+from relax_models.loader import load_tokenizer
+from relax_models.megatron.cpu_shim import init_process_group
+from relax_models.weight_buckets import bucket_by_bytes
+
+
+class FSDPBackend(TorchBackend):
+    """An HF model whose decoder layers and root are ``fully_shard``-ed over the default process group."""
+
+    def __init__(
+        self, model_path: str, trainer_cfg, model_cfg, temperature: float = 1.0, trainable: bool = True
+    ):
+        init_process_group()  # from RANK / WORLD_SIZE / MASTER_*; a lone process gets a group of one
+        self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
+        super().__init__(model_path, trainer_cfg, model_cfg, temperature=temperature, trainable=trainable)
+
+    def _load_device(self) -> torch.device:
+        """The CPU: ``fully_shard`` moves each layer to the accelerator as it shards it, so a GPU never
+        holds more than one full layer besides its shards."""
+        return torch.device("cpu")
+
+    def _shard(self) -> None:
+        mesh = init_device_mesh(self.device.type, (self.ranks,))
+        # one unit per decoder layer (its all-gather overlaps the previous layer's compute on GPU), then
+        # the root for embeddings, final norm and the (possibly tied) head
+        for layer in _decoder_layers(self.model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    # ------------------------------------------------------------------ forward / train
+    @torch.no_grad()
+    def forward_logprobs(self, batch: TrainBatch, micro_batch_size: int = 64) -> torch.Tensor:
+        """Each rank scores its slice; the slices are gathered so every rank returns ``[B, R]``."""
+        width = batch.loss_mask.shape[1]
+        local = rank_slice(batch, self.rank, self.ranks)
+        parts = [self._logprobs_entropy(mb)[0] for mb in local.micro_batches(micro_batch_size)]
+        mine = pad_to_width(parts, width)
+        gathered = [torch.empty_like(mine) for _ in range(self.ranks)]
+        dist.all_gather(gathered, mine)
+        return torch.cat(gathered)
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+        """``loss_fn`` weighs micro-batches against the *global* batch (the driver built it from the whole
+        batch), so the ranks' losses are shares of one loss and their gradients add up to its gradient."""
+        assert self.optimizer is not None, "train_step on a frozen backend"
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        local = rank_slice(batch, self.rank, self.ranks)
+        out = accumulate_gradients(local, self._logprobs_entropy, loss_fn, micro_batch_size, self.ranks)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        out = reduce_metrics(out)
+        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        out.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def iter_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Gathered weights in HF names, one bucket at a time (collective): at most one bucket of full
+        tensors exists besides the shards."""
+        full = ((name, _gather(t)) for name, t in self.model.state_dict().items())
+        for bucket in bucket_by_bytes(full, bucket_bytes):
+            yield dict(bucket)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight gathered (collective); what rollout engines load."""
+        return {name: tensor for bucket in self.iter_weights(64 << 20) for name, tensor in bucket.items()}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Full HF-named weights; each rank keeps its shard."""
+        set_state_dict(
+            self.model,
+            [],
+            model_state_dict=state_dict,
+            options=StateDictOptions(full_state_dict=True, strict=False),
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def _rank_file(self, path: str) -> Path:
+        return Path(path) / f"fsdp_rank{self.rank:05d}.pt"
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded model + optimizer via ``torch.distributed.checkpoint``; scheduler and RNG per rank.
+
+        A fresh optimizer (no step taken yet) is left out: DCP would initialise its state with a zero-lr
+        step, which advances Adam's step count and changes the run that continues after the save.
+        """
+        os.makedirs(path, exist_ok=True)
+        with_optimizer = self.optimizer is not None and bool(self.optimizer.state)
+        if with_optimizer:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_state, "optimizer": optim_state}
+        else:
+            state = {"model": get_model_state_dict(self.model)}
+        dcp.save(state, checkpoint_id=str(Path(path) / "dcp"))
+        torch.save(
+            {
+                "with_optimizer": with_optimizer,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                "rng": rng_state(),
+                "ranks": self.ranks,
+            },
+            self._rank_file(path),
+        )
+
+    def load_checkpoint(self, path: str) -> None:
+        from relax_core.errors import RelaxUserError
+
+        file = self._rank_file(path)
+        if not file.is_file():
+            raise RelaxUserError(f"{path} holds no FSDP checkpoint for rank {self.rank} ({file.name})")
+        meta = torch.load(file, weights_only=False)
+        if meta["ranks"] != self.ranks:
+            raise RelaxUserError(
+                f"checkpoint {path} was saved by {meta['ranks']} FSDP ranks; this run has {self.ranks}: "
+                f"resume with trainer.dp_size={meta['ranks']}"
+            )
+        if meta["with_optimizer"] and self.optimizer is not None:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_state, "optimizer": optim_state}
+            dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+            )
+        else:
+            state = {"model": get_model_state_dict(self.model)}
+            dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
+            set_state_dict(self.model, [], model_state_dict=state["model"])
+        if self.scheduler is not None and meta["scheduler"] is not None:
+            self.scheduler.load_state_dict(meta["scheduler"])
+        set_rng_state(meta["rng"])
+
+    def export_hf(self, path: str) -> None:
+        """Every rank gathers; rank 0 writes config, safetensors and tokenizer."""
+        weights = self.state_dict()
+        if self.rank != 0:
+            return
+        self.model.save_pretrained(path, state_dict=weights)
+        load_tokenizer(self.model_path).save_pretrained(path)
+
+
+def _gather(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a shard (collective), on the CPU."""
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.clone()
+    return full.detach().cpu()
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of an HF model: the members of every ``*.layers`` module list."""
+    return [
+        block
+        for name, blocks in model.named_modules()
+        if name.endswith("layers") and isinstance(blocks, torch.nn.ModuleList)
+        for block in blocks
+    ]

@@ -1,0 +1,87 @@
+"""Where a role's model lives: its device, and the ranks of a multi-process Actor group.
+
+One helper for every model-holding role (Actor, ActorFwd, Reference, Critic, Teacher, the torch rollout
+engine), so "which accelerator did Ray give me" is answered once. The training world size covers both
+backends: FSDP data-parallel ranks for ``trainer=torch`` and megatron's TP x PP x CP x DP grid.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from relax_core.errors import RelaxUserError
+
+
+def role_device() -> torch.device:
+    """The accelerator Ray assigned to this process, else the CPU.
+
+    Ray narrows ``CUDA_VISIBLE_DEVICES`` to the GPUs of the actor, so its GPU is ``cuda:0``; under
+    torchrun ``LOCAL_RANK`` picks the device instead. A role without GPUs sees none and gets the CPU.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+    return torch.device("cuda", index)
+
+
+def actor_world_size(trainer_cfg: Any) -> int:
+    """Actor processes the trainer needs: ``trainer.dp_size`` FSDP ranks, or the megatron training world."""
+    if trainer_cfg.backend == "megatron":
+        from relax_models.megatron.launch import training_world_size
+
+        return training_world_size(trainer_cfg.megatron, trainer_cfg.dp_size)
+    return int(trainer_cfg.dp_size)
+
+
+def rank_env(rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1") -> dict[str, str]:
+    """The ``torch.distributed`` environment of Actor rank ``rank`` (torchrun's names).
+
+    No ``LOCAL_RANK``: Ray shows each GPU actor only its own device, which is then ``cuda:0``.
+    """
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+
+
+def data_parallel_size(trainer_cfg: Any) -> int:
+    """Ranks that each train on their own slice of a batch."""
+    if trainer_cfg.backend == "megatron":
+        from relax_models.megatron.launch import data_parallel_size as megatron_dp
+
+        return megatron_dp(trainer_cfg.megatron, trainer_cfg.dp_size)
+    return int(trainer_cfg.dp_size)
+
+
+def check_training_ranks(cfg: Any) -> None:
+    """One-line errors for rank settings that cannot work (before Ray starts)."""
+    t, r = cfg.trainer, cfg.rollout
+    if t.dp_size < 1:
+        raise RelaxUserError(f"trainer.dp_size={t.dp_size} must be >= 1")
+    if t.backend == "torch" and t.dp_size > 1 and not t.fsdp:
+        raise RelaxUserError(
+            f"trainer.dp_size={t.dp_size} shards the Actor with FSDP: set trainer.fsdp=true (or trainer=fsdp)"
+        )
+    dp = data_parallel_size(t)
+    if dp == 1:
+        return
+    if actor_world_size(t) > 1 and cfg.mode.name != "colocate":
+        raise RelaxUserError(
+            f"{actor_world_size(t)} Actor processes (trainer.dp_size={t.dp_size}) are started by mode=colocate "
+            f"only so far; use mode=colocate or trainer.dp_size=1"
+        )
+    batches = {"trainer.global_batch_size": t.global_batch_size} if t.global_batch_size else {}
+    if not t.global_batch_size:
+        batches["rollout.batch_size x rollout.n_samples_per_prompt"] = r.batch_size * r.n_samples_per_prompt
+    if t.sft_warmup_steps:
+        batches["trainer.sft_batch_size"] = t.sft_batch_size
+    for key, size in batches.items():
+        if size % dp:
+            raise RelaxUserError(
+                f"{key}={size} does not divide over {dp} data-parallel ranks (trainer.dp_size)"
+            )

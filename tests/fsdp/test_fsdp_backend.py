@@ -1,0 +1,182 @@
+"""FSDP2 Actor backend over two real gloo processes against the single-process torch backend.
+
+One ``torch.multiprocessing`` spawn runs every check (process start and imports dominate the cost); each
+rank reports tensors through a queue, and the tests compare them with an unsharded ``TorchBackend`` taking
+the same steps on the same global batch in the test process.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
+from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relax_core.samples import Sample, TrainBatch
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+WORLD = 2
+# clipping active (the tiny model's first gradient norm is well above 0.5): the norm must span all shards
+TRAINER = TrainerConfig(lr=1e-3, lr_decay="constant", grad_clip=0.5, fsdp=True, dp_size=WORLD)
+ALGO = AlgorithmConfig(loss_agg_mode="token-mean", entropy_coef=0.01)
+
+
+def make_batch(tokenizer) -> TrainBatch:
+    """8 samples of varied prompt/response lengths, some tokens masked, advantages of both signs."""
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(8):
+        prompt = tokenizer(f"sort {'3' * (i % 3 + 1)}{i}:", add_special_tokens=False).input_ids
+        r = 2 + (i * 3) % 6
+        response = torch.randint(3, len(tokenizer), (r,), generator=gen).tolist()
+        mask = [1] * r
+        if i % 3 == 1:
+            mask[0] = 0
+        samples.append(Sample(i // 2, i % 2, prompt, response, [0.0] * r, mask, reward=float(i % 2)))
+    batch = TrainBatch.from_samples(samples, tokenizer.pad_token_id)
+    batch.extras["advantages"] = torch.linspace(-1.0, 1.2, len(batch)).unsqueeze(1) * batch.loss_mask
+    return batch
+
+
+def objective_step(backend, batch: TrainBatch, micro: int) -> dict[str, float]:
+    """One optimizer step the way the Actor takes it: micro-batch weights from the *global* batch."""
+    total_tokens, total_seqs = float(batch.loss_mask.sum()), sequence_count(batch, ALGO)
+
+    def loss_fn(mb, logprobs, entropy):
+        return policy_objective(
+            mb, logprobs, entropy, ALGO, micro_batch_weight(mb, total_tokens, total_seqs, ALGO)
+        )
+
+    return backend.train_step(batch, loss_fn, micro)
+
+
+def trajectory(backend, batch: TrainBatch, checkpoint: Path) -> dict[str, Any]:
+    """What both the sharded and the plain backend report: log-probs, two steps, a checkpoint between."""
+    out: dict[str, Any] = {"logprobs": backend.forward_logprobs(batch, 3)}
+    out["step1"] = objective_step(backend, batch, micro=2)  # 2 micro-batches per rank
+    out["weights1"] = backend.state_dict()
+    backend.save_checkpoint(str(checkpoint))
+    out["step2"] = objective_step(backend, batch, micro=2)
+    out["weights2"] = backend.state_dict()
+    return out
+
+
+def _worker(rank: int, port: int, model_dir: str, tmp: str, queue: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        from relax_core.backends.fsdp_backend import FSDPBackend
+        from relax_models.loader import load_tokenizer
+
+        batch = make_batch(load_tokenizer(model_dir))
+        torch.manual_seed(3)
+        backend = FSDPBackend(model_dir, TRAINER, ModelConfig())
+        result = trajectory(backend, batch, Path(tmp) / "ckpt")
+        buckets = list(backend.iter_weights(bucket_bytes=40_000))
+        result["bucket_sizes"] = [sum(t.numel() * t.element_size() for t in b.values()) for b in buckets]
+        result["bucket_names"] = [name for b in buckets for name in b]
+        result["local_numel"] = sum(p.to_local().numel() for p in backend.model.parameters())
+        backend.export_hf(str(Path(tmp) / "export"))
+        # exact resume: a fresh backend loads the step-1 checkpoint and retakes step 2
+        torch.manual_seed(99)  # the checkpoint's RNG state must win over this
+        resumed = FSDPBackend(model_dir, TRAINER, ModelConfig())
+        resumed.load_checkpoint(str(Path(tmp) / "ckpt"))
+        result["resumed_step2"] = objective_step(resumed, batch, micro=2)
+        result["resumed_weights2"] = resumed.state_dict()
+        torch.save(result, Path(tmp) / f"result{rank}.pt")  # tensors outlive the process, unlike a queue's
+    except Exception:
+        queue.put((rank, traceback.format_exc()))
+        raise
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    from relax_models.megatron.cpu_shim import free_port
+
+    tmp = tmp_path_factory.mktemp("fsdp")
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(
+        _worker, args=(free_port(), str(tiny_model_dir), str(tmp), queue), nprocs=WORLD, start_method="spawn"
+    )
+    errors = []
+    while not queue.empty():
+        errors.append(queue.get())
+    assert not errors, errors
+    results: dict[Any, Any] = {rank: torch.load(tmp / f"result{rank}.pt") for rank in range(WORLD)}
+    results["dir"] = tmp
+    return results
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same steps on one unsharded process (the default torch path)."""
+    from dataclasses import replace
+
+    from relax_core.backends.torch_backend import TorchBackend
+    from relax_models.loader import load_tokenizer
+
+    batch = make_batch(load_tokenizer(str(tiny_model_dir)))
+    backend = TorchBackend(str(tiny_model_dir), replace(TRAINER, fsdp=False, dp_size=1), ModelConfig())
+    return trajectory(backend, batch, tmp_path_factory.mktemp("single") / "ckpt")
+
+
+def _assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_two_ranks_match_one_rank_loss_grad_norm_and_weights(sharded, single) -> None:
+    for rank in range(WORLD):
+        r = sharded[rank]
+        torch.testing.assert_close(r["logprobs"], single["logprobs"], rtol=1e-5, atol=1e-5)
+        for step in ("step1", "step2"):
+            assert r[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-6)
+            assert r[step]["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=1e-5)
+        assert single["step1"]["grad_norm"] > TRAINER.grad_clip  # clipping was exercised
+        _assert_weights_close(r["weights1"], single["weights1"])
+        _assert_weights_close(r["weights2"], single["weights2"])
+
+
+def test_each_rank_holds_half_the_parameters(sharded, single) -> None:
+    full = sum(t.numel() for name, t in single["weights1"].items() if name != "lm_head.weight")
+    for rank in range(WORLD):
+        assert sharded[rank]["local_numel"] <= full // WORLD + 1024  # dim-0 shards, padded rows at most
+
+
+def test_sharded_checkpoint_resumes_exactly(sharded) -> None:
+    for rank in range(WORLD):
+        r = sharded[rank]
+        assert r["resumed_step2"] == r["step2"]
+        for name, tensor in r["weights2"].items():
+            assert torch.equal(r["resumed_weights2"][name], tensor), name
+    ckpt = sharded["dir"] / "ckpt"
+    assert sorted(p.name for p in ckpt.glob("fsdp_rank*.pt")) == ["fsdp_rank00000.pt", "fsdp_rank00001.pt"]
+    assert len(list((ckpt / "dcp").glob("*.distcp"))) == WORLD
+
+
+def test_weights_stream_in_bounded_buckets_of_full_tensors(sharded) -> None:
+    r = sharded[0]
+    assert sorted(r["bucket_names"]) == sorted(r["weights2"])
+    assert len(r["bucket_sizes"]) > 1
+    biggest = max(t.numel() * t.element_size() for t in r["weights2"].values())
+    assert all(size <= max(40_000, biggest) for size in r["bucket_sizes"])
+
+
+def test_hf_export_gathers_full_weights(sharded) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(sharded["dir"] / "export"))
+    want = sharded[0]["weights2"]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, want[name]), name

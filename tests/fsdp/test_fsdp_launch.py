@@ -1,0 +1,114 @@
+"""``python -m relax_launch trainer=fsdp``: two FSDP Actor ranks (real Ray actors, one gloo group) train the
+default task, checkpoint in shards and resume exactly; bad rank settings fail before Ray starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relax_core.errors import RelaxUserError
+
+# the resilience tests' tiny run (2 warm-start steps, 4 prompts x 4 samples per RL step) on 2 FSDP ranks
+TINY_FSDP_RUN = [
+    "trainer=fsdp",
+    "trainer.dp_size=2",
+    "trainer.sft_warmup_steps=2",
+    "trainer.sft_batch_size=16",
+    "rollout.batch_size=4",
+    "rollout.n_samples_per_prompt=4",
+    "data.num_train=64",
+    "data.num_eval=8",
+    "trainer.eval_every=0",
+    "logger=jsonl",
+    "cluster.num_cpus=4",
+    "rollout.num_threads=1",
+    "trainer.num_threads=1",
+]
+
+
+def _launch(run_dir: Path, overrides: list[str]) -> dict:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    command = [sys.executable, "-m", "relax_launch", *overrides, f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _rewards(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["reward/mean"] for r in rows if "reward/mean" in r}
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_resume_from_a_sharded_checkpoint_like_the_uninterrupted_run(tmp_path: Path) -> None:
+    common = [*TINY_FSDP_RUN, "trainer.total_steps=4"]
+    straight = tmp_path / "straight"
+    assert _launch(straight, [*common, "trainer.save_every=2"])["status"] == "finished"
+    ckpt = straight / "checkpoints" / "step_000002"
+    actor = ckpt / "actor"
+    assert sorted(p.name for p in actor.glob("fsdp_rank*.pt")) == ["fsdp_rank00000.pt", "fsdp_rank00001.pt"]
+    assert len(list((actor / "dcp").glob("*.distcp"))) == 2  # one shard file per rank
+    assert not (actor / "backend.pt").exists()  # no full copy of the model in the checkpoint
+
+    resumed = tmp_path / "resumed"
+    assert _launch(resumed, [*common, f"trainer.resume={ckpt}"])["status"] == "finished"
+    straight_rewards, resumed_rewards = _rewards(straight), _rewards(resumed)
+    assert sorted(straight_rewards) == [1, 2, 3, 4]
+    assert [resumed_rewards[s] for s in (3, 4)] == [straight_rewards[s] for s in (3, 4)]
+    # rank 0 exported the gathered weights
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(resumed / "final_model")
+
+
+# the shortest budget with margin on the default task with 2 FSDP ranks (seed 1, deterministic): 200 steps
+# gave a gain of 0.308, right on the bar; 300 steps 0.355; the full 500 steps 0.539 (see README)
+LEARNING_STEPS = 300
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_learn_the_default_task(tmp_path: Path) -> None:
+    summary = _launch(
+        tmp_path / "run", ["trainer=fsdp", f"trainer.total_steps={LEARNING_STEPS}", "logger=jsonl"]
+    )
+    assert summary["status"] == "finished"
+    assert summary["reward_gain"] >= 0.3, summary
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_module
+
+    import relax_launch.cli  # noqa: F401  (registers the structured-config schema with Hydra)
+
+    with initialize_config_module("relax_launch.conf", version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.dp_size=2"], r"trainer.dp_size=2 shards the Actor with FSDP: set trainer.fsdp=true"),
+        (["trainer=fsdp", "trainer.dp_size=0"], r"trainer.dp_size=0 must be >= 1"),
+        (
+            ["trainer=fsdp", "trainer.dp_size=3"],
+            r"rollout.batch_size x rollout.n_samples_per_prompt=128 does not divide over 3 data-parallel ranks",
+        ),
+        (
+            ["trainer=fsdp", "trainer.global_batch_size=30", "trainer.dp_size=4"],
+            r"trainer.global_batch_size=30 does not divide over 4",
+        ),
+        (["trainer=fsdp", "trainer.sft_batch_size=63"], r"trainer.sft_batch_size=63 does not divide over 2"),
+        (["trainer=fsdp", "mode=async"], r"started by mode=colocate only"),
+    ],
+)
+def test_rank_settings_that_cannot_work_are_one_line_user_errors(overrides: list[str], message: str) -> None:
+    from relax_core.validation import validate
+
+    with pytest.raises(RelaxUserError, match=message) as error:
+        validate(_compose(overrides))
+    assert "\n" not in str(error.value)
