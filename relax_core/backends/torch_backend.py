@@ -44,13 +44,7 @@ class TorchBackend(TrainingBackend):
         self.temperature = temperature
         self.family = model_cfg.family
         self.device = role_device()
-        self.model = load_causal_lm(
-            model_path,
-            model_cfg.dtype,
-            model_cfg.attn_implementation,
-            family=model_cfg.family,
-            device=self._load_device(),
-        )
+        self.model = self._build_model(model_path, model_cfg)
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
         if trainable and model_cfg.gradient_checkpointing:
@@ -60,6 +54,16 @@ class TorchBackend(TrainingBackend):
         self._shard()
         if trainable:
             self.reset_optimizer(trainer_cfg.lr)
+
+    def _build_model(self, model_path: str, model_cfg) -> torch.nn.Module:
+        """The model this backend trains or scores with (a value-head model for the Critic)."""
+        return load_causal_lm(
+            model_path,
+            model_cfg.dtype,
+            model_cfg.attn_implementation,
+            family=model_cfg.family,
+            device=self._load_device(),
+        )
 
     def _load_device(self) -> torch.device:
         """Where the full model is loaded: the role's device."""

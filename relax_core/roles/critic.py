@@ -2,52 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from relax_core.algorithms.advantages import gae, last_token_rewards
-from relax_core.algorithms.logprobs import response_positions
 from relax_core.algorithms.value import clipped_value_loss
-from relax_core.backends.base import batch_to_device
+from relax_core.backends.value_backend import ValueBackend
 from relax_core.databus import DataBus, partition_name, sample_key
 from relax_core.databus.records import SAMPLE_FIELDS, batch_from_rows
 from relax_core.databus.stages import score_stage
-from relax_core.placement import role_device
 from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
-from relax_models.loader import load_causal_lm, load_tokenizer
-
-
-class ValueModel(torch.nn.Module):
-    """The policy's transformer trunk plus ``Linear(hidden, 1)`` on its last hidden state.
-
-    V_t, the value of the state before response token t, is read at the position whose logit predicts
-    token t (``prompt_len + t − 1``), the same position the policy scores that token at.
-    """
-
-    def __init__(
-        self,
-        model_path: str,
-        dtype: str = "float32",
-        attn_implementation: str = "sdpa",
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().__init__()
-        self.trunk = load_causal_lm(model_path, dtype, attn_implementation, device=device)
-        self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1)
-        torch.nn.init.zeros_(self.head.weight)
-        torch.nn.init.zeros_(self.head.bias)
-        self.head.to(device)
-
-    def forward(self, batch: TrainBatch) -> torch.Tensor:
-        """Values ``[B, R]`` on the CPU, next to the batch's masks and returns."""
-        batch = batch_to_device(batch, self.head.weight.device)
-        hidden = self.trunk.base_model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask
-        ).last_hidden_state
-        values = self.head(hidden).squeeze(-1).float()  # [B, L]
-        return (values.gather(1, response_positions(batch)) * batch.loss_mask).cpu()
+from relax_models.loader import load_tokenizer
 
 
 class Critic:
@@ -60,18 +25,12 @@ class Critic:
             raise ValueError("the Critic role needs algorithm.critic")
         self.cfg = cfg.algorithm.critic
         self.gamma, self.lam = cfg.algorithm.gamma, cfg.algorithm.lam
-        self.model = ValueModel(
-            self.cfg.model_path or model_path, cfg.model.dtype, cfg.model.attn_implementation, role_device()
-        )
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
+        self.backend = ValueBackend(model_path, self.cfg, cfg.model)
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """V ``[B, R]`` for every response token (0 at masked tokens)."""
-        self.model.eval()
-        parts = [self.model(mb) for mb in batch.micro_batches(self.cfg.micro_batch_size)]
-        width = batch.loss_mask.shape[1]
-        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+        return self.backend.forward_logprobs(batch, self.cfg.micro_batch_size)
 
     def process(self, step: int, total: int) -> dict[str, float]:
         """mode=async: write ``values`` for every row of step N, then fit them on the whole step (the values
@@ -105,44 +64,34 @@ class Critic:
 
         ``extras['values']`` are the values the advantages were computed with (V_old of the clip).
         """
-        self.model.train()
         total_tokens = max(float(batch.loss_mask.sum()), 1.0)
+
+        def loss_fn(micro: TrainBatch, values: torch.Tensor, _entropy: torch.Tensor):
+            loss, metrics = clipped_value_loss(
+                values, micro.extras["values"], micro.extras["returns"], micro.loss_mask, self.cfg.value_clip
+            )
+            share = float(micro.loss_mask.sum()) / total_tokens
+            return loss * share, {k: float(v) for k, v in metrics.items()}
+
         sums: dict[str, float] = {}
         for _ in range(self.cfg.epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            for micro in batch.micro_batches(self.cfg.micro_batch_size):
-                values = self.model(micro)
-                loss, metrics = clipped_value_loss(
-                    values,
-                    micro.extras["values"],
-                    micro.extras["returns"],
-                    micro.loss_mask,
-                    self.cfg.value_clip,
-                )
-                share = float(micro.loss_mask.sum()) / total_tokens
-                (loss * share).backward()
-                sums["critic/vf_loss"] = sums.get("critic/vf_loss", 0.0) + float(loss.detach()) * share
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * share
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            self.optimizer.step()
-            sums["critic/grad_norm"] = sums.get("critic/grad_norm", 0.0) + float(grad_norm)
+            out = self.backend.train_step(batch, loss_fn, self.cfg.micro_batch_size)
+            out = {"critic/vf_loss": out.pop("loss"), "critic/grad_norm": out.pop("grad_norm")} | out
+            out.pop("lr", None)
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0.0) + v
         return {k: v / self.cfg.epochs for k, v in sums.items()}
 
     def save_checkpoint(self, path: str) -> None:
-        """Value model and optimizer (the Adam moments matter: a resumed critic must not re-warm)."""
-        Path(path).mkdir(parents=True, exist_ok=True)
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        torch.save(state, Path(path) / "critic.pt")
+        """Value model, optimizer (the Adam moments matter: a resumed critic must not re-warm), RNG."""
+        self.backend.save_checkpoint(path)
 
     def load_checkpoint(self, path: str) -> None:
-        state = torch.load(Path(path) / "critic.pt", weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.backend.load_checkpoint(path)
 
     def load_trunk(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Start the value trunk from the policy's weights (after the supervised warm-start)."""
-        self.model.trunk.load_state_dict(state_dict, strict=False)
+        self.backend.load_trunk(state_dict)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return self.backend.state_dict()

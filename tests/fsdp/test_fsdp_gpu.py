@@ -28,8 +28,8 @@ def test_role_device_is_the_gpu_ray_assigned() -> None:
 
 def test_backend_engine_and_critic_models_live_on_the_gpu_in_bf16(tiny_model_dir: Path) -> None:
     from relax_core.backends.torch_backend import TorchBackend
+    from relax_core.backends.value_backend import ValueModel
     from relax_core.engines import build_engine
-    from relax_core.roles.critic import ValueModel
     from relax_models.loader import load_tokenizer
 
     model_cfg = ModelConfig(dtype="bfloat16")

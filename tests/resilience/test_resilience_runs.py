@@ -148,7 +148,7 @@ def test_ppo_resumed_from_a_checkpoint_continues_like_the_uninterrupted_run(tmp_
     straight = tmp_path / "straight"
     run_experiment(compose([*common, "trainer.save_every=3"], straight))
     ckpt = straight / "checkpoints" / "step_000003"
-    assert (ckpt / "critic" / "critic.pt").is_file()
+    assert (ckpt / "critic" / "backend.pt").is_file()
 
     resumed = tmp_path / "resumed"
     summary = run_experiment(compose([*common, f"trainer.resume={ckpt}"], resumed))
