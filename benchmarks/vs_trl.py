@@ -21,7 +21,8 @@ One JSON line per (tool, seed):
 * ``s_per_step``: median step time after ``--warmup`` steps (Relax: ``step_time_s`` of metrics.jsonl, i.e.
   rollout + scoring + train + weight publish; TRL: time between consecutive ``on_step_end`` callbacks,
   i.e. generation + scoring + forward/backward/step + its logging). ``train_s_per_step``: Relax's
-  ``time/train_s``; TRL's optimizer step is not timed apart.
+  ``time/train_s`` (the Actor call: forward, backward, optimizer step); TRL's step time minus its
+  ``_generate_and_score_completions`` (timed by wrapping that method in the worker).
 * ``total_wall_s``: the whole command, start-up and evaluations included.
 * ``peak_rss_mb``: peak of the summed RSS of the process and all its descendants (Ray's GCS, raylet and
   workers for Relax), sampled every 50 ms. Summed RSS counts shared pages once per process, so it
@@ -48,14 +49,19 @@ Relax's ``relax_core.algorithms``), at the settings above:
 * schedule: TRL linear decay to 0 without warm-up (HF ``get_linear_schedule_with_warmup``, its LambdaLR
   starts at 1 and reaches 0 at ``max_steps``); Relax ``lr_decay=linear, min_lr_ratio=0``: (T - s) / T, the
   same values.
-* optimizer: TRL uses HF Trainer's AdamW (torch fused/foreach, eps 1e-8); betas set to (0.9, 0.99) for both
-  here (HF's default beta2 is 0.999, Relax's 0.99); grad-norm clip 1.0 both, weight decay 0 both.
+* optimizer: TRL uses HF Trainer's default ``adamw_torch_fused`` (torch AdamW, fused kernel, eps 1e-8), Relax
+  torch AdamW (foreach, eps 1e-8): the same update up to float rounding. betas are set to (0.9, 0.99) for both
+  here: HF's default beta2 is 0.999, Relax's 0.99 (a real difference between the two tools' defaults).
+  Grad-norm clip 1.0 and weight decay 0 in both.
 * sampling: TRL's default ``top_k=0``, ``top_p=1``, temperature 1 with HF ``generate()``; Relax samples the
   same distribution (Gumbel-max) and stops at EOS.
-* dropout: TRL disables dropout by default; the tiny Qwen3 has no dropout (attention_dropout 0).
+* dropout: none in either (TRL's ``disable_dropout`` defaults to False, the tiny Qwen3's attention_dropout is 0).
 
 So no difference in the objective explains a learning gap at these settings; what differs is the random
-stream (sampler, prompt order, generation noise) and the model init is shared. Compare over several seeds.
+stream (prompt order, generation noise; the model init is shared), so compare over several seeds. Between the
+two tools' *defaults* three things do differ, and this script pins each to one value for both: the schedule
+(TRL linear to 0, Relax ``lr_decay=constant`` in the schema, cosine to 0.1 in ``conf/trainer/torch.yaml``), Adam's
+beta2 (0.999 vs 0.99) and the entropy bonus (Relax's ``algorithm=grpo`` has ``entropy_coef=0.01``, TRL none).
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRL_VERSION = "1.16.0"
 ENV = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 # the shared settings (see the module docstring)
-PROMPTS, SAMPLES, NEW_TOKENS, LR, BETA2, THREADS = 16, 8, 8, 1e-3, 0.99, 2
+PROMPTS, SAMPLES, NEW_TOKENS, LR, BETA2 = 16, 8, 8, 1e-3, 0.99
 
 
 # ---------------------------------------------------------------------------------------- measurement
@@ -161,7 +167,7 @@ def build_inputs(folder: Path, seed: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- Relax side
-def run_relax(inputs: dict, steps: int, seed: int, out: Path, warmup: int) -> dict:
+def run_relax(inputs: dict, steps: int, seed: int, out: Path, warmup: int, threads: int) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -184,6 +190,8 @@ def run_relax(inputs: dict, steps: int, seed: int, out: Path, warmup: int) -> di
         f"rollout.batch_size={PROMPTS}",
         f"rollout.n_samples_per_prompt={SAMPLES}",
         f"rollout.max_new_tokens={NEW_TOKENS}",
+        f"trainer.num_threads={threads}",
+        f"rollout.num_threads={threads}",
         "logger=jsonl",
         "logger.plot=false",
         f"hydra.run.dir={out}",
@@ -241,9 +249,9 @@ def ensure_trl_venv(venv: Path) -> Path:
     return python
 
 
-def run_trl(python: Path, inputs: dict, steps: int, seed: int, out: Path, warmup: int) -> dict:
+def run_trl(python: Path, inputs: dict, steps: int, seed: int, out: Path, warmup: int, threads: int) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    spec = inputs | {"steps": steps, "seed": seed, "out": str(out)}
+    spec = inputs | {"steps": steps, "seed": seed, "out": str(out), "threads": threads}
     (out / "spec.json").write_text(json.dumps(spec))
     # PYTHONPATH: the worker imports relax_rewards (pure Python) for the very same reward function
     env = ENV | {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
@@ -257,6 +265,10 @@ def run_trl(python: Path, inputs: dict, steps: int, seed: int, out: Path, warmup
         "seed": seed,
         "steps": len(result["rewards"]),
         "s_per_step": round(median_after(result["step_s"], warmup), 4),
+        "train_s_per_step": round(
+            median_after([s - g for s, g in zip(result["step_s"], result["generate_s"])], warmup), 4
+        ),
+        "rollout_s_per_step": round(median_after(result["generate_s"], warmup), 4),
         "total_wall_s": round(wall, 1),
         "peak_rss_mb": round(peak),
         "eval_reward": round(result["eval_reward"], 4),
@@ -275,7 +287,7 @@ def trl_worker(spec_path: str) -> None:
     from relax_rewards.digits import digits_reward
 
     spec = json.loads(Path(spec_path).read_text())
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(spec["threads"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model"], padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
 
@@ -330,6 +342,16 @@ def trl_worker(spec_path: str) -> None:
         processing_class=tokenizer,
         callbacks=[clock],
     )
+    generate_s: list[float] = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed_generate_and_score(*a, **kw):  # generation + rewards + advantages of one step
+        t0 = time.perf_counter()
+        out = generate_and_score(*a, **kw)
+        generate_s.append(time.perf_counter() - t0)
+        return out
+
+    trainer._generate_and_score_completions = timed_generate_and_score
     clock.last = time.perf_counter()
     trainer.train()
     model = trainer.model.eval()
@@ -343,6 +365,7 @@ def trl_worker(spec_path: str) -> None:
     scores = [digits_reward(t, r["label"]) for t, r in zip(texts, evals)]
     result = {
         "step_s": clock.step_s,
+        "generate_s": generate_s,
         "rewards": clock.rewards,
         "eval_reward": sum(s["score"] for s in scores) / len(scores),
         "eval_accuracy": sum(s["acc"] for s in scores) / len(scores),
@@ -384,29 +407,27 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def summarize(results: list[dict]) -> list[dict]:
-    lines = []
+    """Means over seeds per tool, then Relax / TRL ratios (< 1: Relax is faster / smaller)."""
+    keys = ["s_per_step", "train_s_per_step", "total_wall_s", "peak_rss_mb", "eval_reward", "eval_accuracy"]
     by_tool: dict[str, list[dict]] = {}
     for r in results:
         if "error" not in r:
             by_tool.setdefault(r["tool"], []).append(r)
-    for tool, runs in by_tool.items():
-        keys = ["s_per_step", "total_wall_s", "peak_rss_mb", "eval_reward", "eval_accuracy"]
-        lines.append(
-            {"summary": tool, "seeds": [r["seed"] for r in runs]}
-            | {k: round(statistics.mean(r[k] for r in runs), 4) for k in keys}
-        )
-    if {"relax", "trl"} <= by_tool.keys():
-        relax, trl = (
-            lines[0] if lines[0]["summary"] == "relax" else lines[1],
-            next(x for x in lines if x["summary"] == "trl"),
-        )
+    means = {
+        tool: {k: round(statistics.mean(r[k] for r in runs), 4) for k in keys}
+        for tool, runs in by_tool.items()
+    }
+    lines = [{"summary": tool, "seeds": [r["seed"] for r in by_tool[tool]]} | m for tool, m in means.items()]
+    if {"relax", "trl"} <= means.keys():
+        relax, trl = means["relax"], means["trl"]
+        ratios = {
+            f"{k}_ratio": round(relax[k] / trl[k], 3)
+            for k in ("s_per_step", "train_s_per_step", "peak_rss_mb")
+        }
         lines.append(
             {
-                "relax_vs_trl": {
-                    "s_per_step_ratio": round(relax["s_per_step"] / trl["s_per_step"], 3),
-                    "peak_rss_ratio": round(relax["peak_rss_mb"] / trl["peak_rss_mb"], 3),
-                    "eval_reward_diff": round(relax["eval_reward"] - trl["eval_reward"], 4),
-                }
+                "relax_vs_trl": ratios
+                | {"eval_reward_diff": round(relax["eval_reward"] - trl["eval_reward"], 4)}
             }
         )
     return lines
@@ -418,6 +439,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="1", help="comma-separated, e.g. 0,1,2")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median step time")
     parser.add_argument("--tools", default="relax,trl")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each tool (and Relax role)")
     parser.add_argument("--trl-venv", type=Path, default=Path("~/.cache/relax/trl-venv").expanduser())
     parser.add_argument("--plot", type=Path, default=Path("outputs/vs_trl.png"))
     parser.add_argument("--out", type=Path, default=None, help="run folders (default: a temp dir)")
@@ -435,9 +457,9 @@ def main() -> None:
         for tool in tools:  # back to back, same inputs
             out = root / f"seed{seed}" / tool
             if tool == "relax":
-                result = run_relax(inputs, args.steps, seed, out, args.warmup)
+                result = run_relax(inputs, args.steps, seed, out, args.warmup, args.threads)
             else:
-                result = run_trl(python, inputs, args.steps, seed, out, args.warmup)
+                result = run_trl(python, inputs, args.steps, seed, out, args.warmup, args.threads)
             print(json.dumps(result), flush=True)
             results.append(result)
     for line in summarize(results):
