@@ -45,7 +45,9 @@ Relax's ``relax_core.algorithms``), at the settings above:
   optimizer batch. One batch per step here: the same normaliser.
 * mask: TRL masks completion tokens after the first EOS and keeps the EOS; Relax's engine stops at EOS and
   trains on the response including it. Truncated completions are trained in both.
-* log-probs: both at temperature 1 over the full vocabulary, logits of the prompt+completion forward.
+* log-probs: both at temperature 1 over the full vocabulary, logits of the prompt+completion forward. TRL
+  left-pads prompts (Relax right-pads): pads are masked and RoPE depends only on relative positions, so the
+  scores agree up to rounding.
 * schedule: TRL linear decay to 0 without warm-up (HF ``get_linear_schedule_with_warmup``, its LambdaLR
   starts at 1 and reaches 0 at ``max_steps``); Relax ``lr_decay=linear, min_lr_ratio=0``: (T - s) / T, the
   same values.
