@@ -347,7 +347,8 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     grad_clip: float = 1.0
     lr_warmup_steps: int = 0
-    # after warm-up: "constant", or "cosine" decay to lr·min_lr_ratio at total_steps optimizer steps
+    # after warm-up: "constant", or "cosine" / "linear" decay to lr·min_lr_ratio at total_steps optimizer
+    # steps (linear with min_lr_ratio=0 is TRL's and HF Trainer's default schedule)
     lr_decay: str = "constant"
     min_lr_ratio: float = 0.1
     # supervised warm-start on the training labels before RL (0 disables)

@@ -21,7 +21,7 @@ def validate(cfg) -> None:
     _check_choice("algorithm.loss_agg_mode", a.loss_agg_mode, LOSS_AGGREGATIONS.names())
     _check_choice("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS.names())
     _check_choice("data.on_error", d.on_error, ["raise", "skip"])
-    _check_choice("trainer.lr_decay", t.lr_decay, ["constant", "cosine"])
+    _check_choice("trainer.lr_decay", t.lr_decay, ["constant", "cosine", "linear"])
     if cfg.reward._target_ is None:
         _check_choice("reward.name", cfg.reward.name, relax_rewards.available())
     if t.backend == "megatron":  # first: "this backend cannot train that family" beats "no weights"

@@ -12,8 +12,10 @@ def lr_multiplier(trainer_cfg: Any) -> Callable[[int], float]:
 
     warm-up (``step < W``):  m = (step + 1) / (W + 1)
     then ``lr_decay=constant``: m = 1
-         ``lr_decay=cosine``:   m = r + (1 - r) * (1 + cos(pi * p)) / 2,  p = min(1, (step - W) / (T - W))
-    with ``W = lr_warmup_steps``, ``T = total_steps`` and ``r = min_lr_ratio`` (the floor reached at T).
+         ``lr_decay=cosine``:   m = r + (1 - r) * (1 + cos(pi * p)) / 2
+         ``lr_decay=linear``:   m = r + (1 - r) * (1 - p)
+    with ``p = min(1, (step - W) / (T - W))``,
+    ``W = lr_warmup_steps``, ``T = total_steps`` and ``r = min_lr_ratio`` (the floor reached at T).
     """
     warmup = max(int(trainer_cfg.lr_warmup_steps), 0)
     total = max(int(trainer_cfg.total_steps), 1)
@@ -26,6 +28,8 @@ def lr_multiplier(trainer_cfg: Any) -> Callable[[int], float]:
         if decay == "constant":
             return 1.0
         progress = min(1.0, (step - warmup) / max(total - warmup, 1))
+        if decay == "linear":
+            return floor + (1.0 - floor) * (1.0 - progress)
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return multiplier

@@ -1,0 +1,474 @@
+"""Relax colocate vs TRL's GRPOTrainer on the same work, back to back: speed, memory, learning.
+
+    python benchmarks/vs_trl.py                       # 60 steps, seed 1
+    python benchmarks/vs_trl.py --steps 150 --seeds 0,1,2 --plot docs/img/vs_trl.png
+
+TRL 1.16.0 goes into its own venv (``~/.cache/relax/trl-venv``, ``--trl-venv``; created once, ~1 min):
+it is a benchmark peer, never a Relax dependency. Its side runs this same file with ``--trl-worker``.
+
+Same work for both, per seed: one tiny random-init Qwen3 folder (the default experiment's shape, hidden 128,
+4 layers, ~0.8M parameters, built by ``relax_models.tiny`` with the seed), the default digits task
+(``sort 31524:`` -> ``12345``, per-position partial credit, train/eval files written once), 16 prompts x 8
+samples per step, <= 8 new tokens, temperature 1, lr 1e-3 with linear decay to 0 and no warm-up (TRL's
+default; ``trainer.lr_decay=linear trainer.min_lr_ratio=0`` in Relax), AdamW betas (0.9, 0.99), no weight
+decay, grad-norm clip 1, pure RL GRPO (no warm-start, no KL, no entropy bonus), one optimizer step per
+rollout batch, 2 torch threads. Relax runs ``python -m relax_launch`` (colocate, torch engine, Ray);
+TRL runs ``GRPOTrainer`` (HF ``generate()`` in the training process). Prompt order differs (each tool's
+own sampler), so reward curves match in distribution, not step by step.
+
+One JSON line per (tool, seed):
+
+* ``s_per_step``: median step time after ``--warmup`` steps (Relax: ``step_time_s`` of metrics.jsonl, i.e.
+  rollout + scoring + train + weight publish; TRL: time between consecutive ``on_step_end`` callbacks,
+  i.e. generation + scoring + forward/backward/step + its logging). ``train_s_per_step``: Relax's
+  ``time/train_s`` (the Actor call: forward, backward, optimizer step); TRL's step time minus its
+  ``_generate_and_score_completions`` (timed by wrapping that method in the worker).
+* ``total_wall_s``: the whole command, start-up and evaluations included.
+* ``peak_rss_mb``: peak of the summed RSS of the process and all its descendants (Ray's GCS, raylet and
+  workers for Relax), sampled every 50 ms. Summed RSS counts shared pages once per process, so it
+  overstates multi-process runs somewhat; it is the number a user's memory monitor shows.
+* ``rewards``: mean train reward per step; ``eval_reward`` / ``eval_accuracy``: greedy decoding of the 128
+  eval prompts after the last step (reward and exact-match share).
+
+Then one ``summary`` line per tool (means over seeds) and ``relax_vs_trl`` (Relax / TRL s/step ratio).
+
+Objective audit (TRL 1.16.0 ``trl/trainer/grpo_trainer.py`` and ``grpo_config.py`` read in its venv, against
+Relax's ``relax_core.algorithms``), at the settings above:
+
+* advantage: both (r - mean_group) / (std_group + eps) with the unbiased group std (``torch.std``); TRL's
+  eps is 1e-4, Relax's 1e-6. Digit rewards are multiples of 1/5..1/8, so a group with unequal rewards has
+  std >= ~0.04 and the eps changes advantages by < 0.3 %; equal rewards give 0 in both.
+* loss: both on-policy PPO-clip with ratio exp(logp - logp.detach()) = 1, so clipping (TRL eps 0.2 / 0.2,
+  Relax 0.2 / 0.28 + dual clip 3) never binds and the gradient is -A * grad log p per token in both.
+* aggregation: TRL ``loss_type="dapo"`` divides the summed token losses by the number of completion tokens
+  of the whole generation batch (all processes); Relax ``token-mean`` divides by the trained tokens of the
+  optimizer batch. One batch per step here: the same normaliser.
+* mask: TRL masks completion tokens after the first EOS and keeps the EOS; Relax's engine stops at EOS and
+  trains on the response including it. Truncated completions are trained in both.
+* log-probs: both at temperature 1 over the full vocabulary, logits of the prompt+completion forward. TRL
+  left-pads prompts (Relax right-pads): pads are masked and RoPE depends only on relative positions, so the
+  scores agree up to rounding.
+* schedule: TRL linear decay to 0 without warm-up (HF ``get_linear_schedule_with_warmup``, its LambdaLR
+  starts at 1 and reaches 0 at ``max_steps``); Relax ``lr_decay=linear, min_lr_ratio=0``: (T - s) / T, the
+  same values.
+* optimizer: TRL uses HF Trainer's default ``adamw_torch_fused`` (torch AdamW, fused kernel, eps 1e-8), Relax
+  torch AdamW (foreach, eps 1e-8): the same update up to float rounding. betas are set to (0.9, 0.99) for both
+  here: HF's default beta2 is 0.999, Relax's 0.99 (a real difference between the two tools' defaults).
+  Grad-norm clip 1.0 and weight decay 0 in both.
+* sampling: TRL's default ``top_k=0``, ``top_p=1``, temperature 1 with HF ``generate()``; Relax samples the
+  same distribution (Gumbel-max) and stops at EOS.
+* dropout: none in either (TRL's ``disable_dropout`` defaults to False, the tiny Qwen3's attention_dropout is 0).
+
+So no difference in the objective explains a learning gap at these settings; what differs is the random
+stream (prompt order, generation noise; the model init is shared), so compare over several seeds. Between the
+two tools' *defaults* three things do differ, and this script pins each to one value for both: the schedule
+(TRL linear to 0, Relax ``lr_decay=constant`` in the schema, cosine to 0.1 in ``conf/trainer/torch.yaml``), Adam's
+beta2 (0.999 vs 0.99) and the entropy bonus (Relax's ``algorithm=grpo`` has ``entropy_coef=0.01``, TRL none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_VERSION = "1.16.0"
+ENV = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# the shared settings (see the module docstring)
+PROMPTS, SAMPLES, NEW_TOKENS, LR, BETA2 = 16, 8, 8, 1e-3, 0.99
+
+
+# ---------------------------------------------------------------------------------------- measurement
+class PeakTreeRss(threading.Thread):
+    """Peak of the summed RSS of ``pid`` and its descendants; remembers every process it saw."""
+
+    def __init__(self, pid: int, interval_s: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self.seen: dict[int, object] = {}
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        while not self._stop_event.is_set():
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            total = 0
+            for p in procs:
+                try:
+                    total += p.memory_info().rss
+                    self.seen.setdefault(p.pid, p)
+                except psutil.Error:
+                    pass
+            self.peak_bytes = max(self.peak_bytes, total)
+            self._stop_event.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+    def kill_leftovers(self) -> int:
+        """SIGKILL descendants that outlived the run (e.g. Ray processes), by the exact processes seen."""
+        import psutil
+
+        left = [p for p in self.seen.values() if p.is_running()]
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        return len(left)
+
+
+def run_measured(cmd: list[str], log_path: Path, env: dict[str, str]) -> tuple[int, float, float]:
+    """Run ``cmd`` to completion: (return code, wall seconds, peak process-tree RSS in MB)."""
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        monitor = PeakTreeRss(proc.pid)
+        monitor.start()
+        code = proc.wait()
+    wall = time.perf_counter() - t0
+    monitor.stop()
+    monitor.kill_leftovers()
+    return code, wall, monitor.peak_bytes / 2**20
+
+
+def median_after(values: list[float], warmup: int) -> float:
+    return statistics.median(values[warmup:] if len(values) > warmup else values)
+
+
+# ---------------------------------------------------------------------------------------- shared inputs
+def build_inputs(folder: Path, seed: int) -> dict:
+    """The model folder and the digits train/eval files both tools read."""
+    import dataclasses
+
+    from relax_core.config import DataConfig, TinyModelSpec
+    from relax_core.data import generate_synthetic
+    from relax_models.tiny import build_tiny_qwen3
+
+    dims = {k: v for k, v in dataclasses.asdict(TinyModelSpec()).items() if v is not None}
+    model = build_tiny_qwen3(folder / "model", seed=seed, **dims)
+    train, eval_ = generate_synthetic(DataConfig(synthetic="digits"), folder / "data", seed)
+    return {"model": str(model), "train": train, "eval": eval_}
+
+
+# ---------------------------------------------------------------------------------------- Relax side
+def run_relax(inputs: dict, steps: int, seed: int, out: Path, warmup: int, threads: int) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "relax_launch",
+        f"seed={seed}",
+        f"model.path={inputs['model']}",
+        f"data.train_path={inputs['train']}",
+        f"data.eval_path={inputs['eval']}",
+        f"trainer.total_steps={steps}",
+        "trainer.sft_warmup_steps=0",
+        "trainer.lr_decay=linear",
+        "trainer.min_lr_ratio=0",
+        f"trainer.lr={LR}",
+        f"trainer.betas=[0.9,{BETA2}]",
+        f"trainer.eval_every={steps}",
+        "trainer.export_final_model=false",
+        "algorithm=grpo",
+        "algorithm.entropy_coef=0",
+        "algorithm.kl_loss_coef=0",
+        f"rollout.batch_size={PROMPTS}",
+        f"rollout.n_samples_per_prompt={SAMPLES}",
+        f"rollout.max_new_tokens={NEW_TOKENS}",
+        f"trainer.num_threads={threads}",
+        f"rollout.num_threads={threads}",
+        "logger=jsonl",
+        "logger.plot=false",
+        f"hydra.run.dir={out}",
+    ]
+    code, wall, peak = run_measured(cmd, out.with_suffix(".log"), ENV)
+    if code != 0:
+        return {"tool": "relax", "seed": seed, "error": out.with_suffix(".log").read_text()[-3000:]}
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rl = [r for r in rows if r["step"] > 0]
+    last = rl[-1]
+    return {
+        "tool": "relax",
+        "seed": seed,
+        "steps": len(rl),
+        "s_per_step": round(median_after([r["step_time_s"] for r in rl], warmup), 4),
+        "train_s_per_step": round(median_after([r["time/train_s"] for r in rl], warmup), 4),
+        "rollout_s_per_step": round(median_after([r["time/rollout_s"] for r in rl], warmup), 4),
+        "weight_sync_s_per_step": round(median_after([r["time/weight_sync_s"] for r in rl], warmup), 4),
+        "total_wall_s": round(wall, 1),
+        "peak_rss_mb": round(peak),
+        "eval_reward": round(last["eval/reward"], 4),
+        "eval_accuracy": round(last["eval/accuracy"], 4),
+        "rewards": [round(r["reward/mean"], 4) for r in rl],
+    }
+
+
+# ---------------------------------------------------------------------------------------- TRL side
+def ensure_trl_venv(venv: Path) -> Path:
+    """TRL in its own venv (idempotent): torch first (the CPU wheel), then TRL with our transformers."""
+    import importlib.metadata
+
+    python = venv / "bin" / "python"
+    probe = f"import trl, sys; sys.exit(trl.__version__ != {TRL_VERSION!r})"
+    if python.exists() and subprocess.run([python, "-c", probe], capture_output=True).returncode == 0:
+        return python
+    print(json.dumps({"event": "installing TRL", "venv": str(venv)}), file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    torch_version = importlib.metadata.version("torch").split("+")[0]
+    subprocess.run([*pip, f"torch=={torch_version}"], check=True)
+    subprocess.run(
+        [
+            *pip,
+            "-c",
+            str(ROOT / "constraints.txt"),
+            f"trl=={TRL_VERSION}",
+            "accelerate",
+            "datasets",
+            f"transformers=={importlib.metadata.version('transformers')}",
+            "tokenizers",
+            "psutil",
+        ],
+        check=True,
+    )
+    return python
+
+
+def run_trl(python: Path, inputs: dict, steps: int, seed: int, out: Path, warmup: int, threads: int) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    spec = inputs | {"steps": steps, "seed": seed, "out": str(out), "threads": threads}
+    (out / "spec.json").write_text(json.dumps(spec))
+    # PYTHONPATH: the worker imports relax_rewards (pure Python) for the very same reward function
+    env = ENV | {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [str(python), str(Path(__file__).resolve()), "--trl-worker", str(out / "spec.json")]
+    code, wall, peak = run_measured(cmd, out / "run.log", env)
+    if code != 0:
+        return {"tool": "trl", "seed": seed, "error": (out / "run.log").read_text()[-3000:]}
+    result = json.loads((out / "result.json").read_text())
+    return {
+        "tool": "trl",
+        "seed": seed,
+        "steps": len(result["rewards"]),
+        "s_per_step": round(median_after(result["step_s"], warmup), 4),
+        "train_s_per_step": round(
+            median_after([s - g for s, g in zip(result["step_s"], result["generate_s"])], warmup), 4
+        ),
+        "rollout_s_per_step": round(median_after(result["generate_s"], warmup), 4),
+        "total_wall_s": round(wall, 1),
+        "peak_rss_mb": round(peak),
+        "eval_reward": round(result["eval_reward"], 4),
+        "eval_accuracy": round(result["eval_accuracy"], 4),
+        "rewards": [round(r, 4) for r in result["rewards"]],
+    }
+
+
+def trl_worker(spec_path: str) -> None:
+    """Inside the TRL venv: GRPOTrainer on the shared inputs, then greedy eval; writes result.json."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from relax_rewards.digits import digits_reward
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"], padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+
+    def rows(path: str) -> list[dict]:
+        return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+
+    def reward(completions: list[str], label: list[str], **_) -> list[float]:
+        return [digits_reward(c, lab)["score"] for c, lab in zip(completions, label)]
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.last, self.step_s, self.rewards = time.perf_counter(), [], []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            self.step_s.append(now - self.last)
+            self.last = now
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.rewards.append(float(logs["reward"]))
+
+    config = GRPOConfig(
+        output_dir=spec["out"],
+        use_cpu=True,
+        seed=spec["seed"],
+        max_steps=spec["steps"],
+        per_device_train_batch_size=PROMPTS * SAMPLES,  # counted in completions
+        num_generations=SAMPLES,
+        max_completion_length=NEW_TOKENS,
+        temperature=1.0,
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        adam_beta2=BETA2,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    clock = StepClock()
+    train = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in rows(spec["train"])])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=train,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    generate_s: list[float] = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed_generate_and_score(*a, **kw):  # generation + rewards + advantages of one step
+        t0 = time.perf_counter()
+        out = generate_and_score(*a, **kw)
+        generate_s.append(time.perf_counter() - t0)
+        return out
+
+    trainer._generate_and_score_completions = timed_generate_and_score
+    clock.last = time.perf_counter()
+    trainer.train()
+    model = trainer.model.eval()
+    evals = rows(spec["eval"])
+    batch = tokenizer([r["prompt"] for r in evals], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(
+            **batch, do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.pad_token_id
+        )
+    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1] :], skip_special_tokens=True)
+    scores = [digits_reward(t, r["label"]) for t, r in zip(texts, evals)]
+    result = {
+        "step_s": clock.step_s,
+        "generate_s": generate_s,
+        "rewards": clock.rewards,
+        "eval_reward": sum(s["score"] for s in scores) / len(scores),
+        "eval_accuracy": sum(s["acc"] for s in scores) / len(scores),
+    }
+    (Path(spec["out"]) / "result.json").write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------- report
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = {"relax": "tab:blue", "trl": "tab:orange"}
+    for r in results:
+        if "rewards" not in r:
+            continue
+        label = f"{r['tool']} seed {r['seed']} (eval {r['eval_reward']:.2f}, {r['s_per_step']:.3f} s/step)"
+        styles = ["-", "--", ":", "-."]
+        ax.plot(
+            range(1, len(r["rewards"]) + 1),
+            r["rewards"],
+            color=colors[r["tool"]],
+            ls=styles[r["seed"] % len(styles)],
+            lw=1.1,
+            label=label,
+        )
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean train reward (digits, partial credit)")
+    ax.set_title("Relax colocate vs TRL GRPOTrainer: same model, task and settings")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Means over seeds per tool, then Relax / TRL ratios (< 1: Relax is faster / smaller)."""
+    keys = ["s_per_step", "train_s_per_step", "total_wall_s", "peak_rss_mb", "eval_reward", "eval_accuracy"]
+    by_tool: dict[str, list[dict]] = {}
+    for r in results:
+        if "error" not in r:
+            by_tool.setdefault(r["tool"], []).append(r)
+    means = {
+        tool: {k: round(statistics.mean(r[k] for r in runs), 4) for k in keys}
+        for tool, runs in by_tool.items()
+    }
+    lines = [{"summary": tool, "seeds": [r["seed"] for r in by_tool[tool]]} | m for tool, m in means.items()]
+    if {"relax", "trl"} <= means.keys():
+        relax, trl = means["relax"], means["trl"]
+        ratios = {
+            f"{k}_ratio": round(relax[k] / trl[k], 3)
+            for k in ("s_per_step", "train_s_per_step", "peak_rss_mb")
+        }
+        lines.append(
+            {
+                "relax_vs_trl": ratios
+                | {"eval_reward_diff": round(relax["eval_reward"] - trl["eval_reward"], 4)}
+            }
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seeds", default="1", help="comma-separated, e.g. 0,1,2")
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median step time")
+    parser.add_argument("--tools", default="relax,trl")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each tool (and Relax role)")
+    parser.add_argument("--trl-venv", type=Path, default=Path("~/.cache/relax/trl-venv").expanduser())
+    parser.add_argument("--plot", type=Path, default=Path("outputs/vs_trl.png"))
+    parser.add_argument("--out", type=Path, default=None, help="run folders (default: a temp dir)")
+    parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(args.trl_worker)
+        return
+    tools = args.tools.split(",")
+    python = ensure_trl_venv(args.trl_venv) if "trl" in tools else None
+    root = args.out or Path(tempfile.mkdtemp(prefix="relax-vs-trl-"))
+    results = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        inputs = build_inputs(root / f"seed{seed}", seed)
+        for tool in tools:  # back to back, same inputs
+            out = root / f"seed{seed}" / tool
+            if tool == "relax":
+                result = run_relax(inputs, args.steps, seed, out, args.warmup, args.threads)
+            else:
+                result = run_trl(python, inputs, args.steps, seed, out, args.warmup, args.threads)
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    for line in summarize(results):
+        print(json.dumps(line), flush=True)
+    plot(results, args.plot)
+    print(json.dumps({"plot": str(args.plot), "runs": str(root)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
