@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     from relax_core.backends.torch_backend import TorchBackend
-    from relax_models.megatron.cpu_shim import free_port
+    from relax_models.ports import free_port
     from relax_models.tiny import build_tiny_qwen3
 
     with tempfile.TemporaryDirectory() as tmp:

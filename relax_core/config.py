@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax_models.config import MediaSettings
 from relax_rewards.config import RewardConfig
 
 
@@ -134,22 +135,15 @@ class ModelConfig:
 
 
 @dataclass
-class ModalityConfig:
-    """Which inputs the prompts carry (``conf/modality/``)."""
+class ModalityConfig(MediaSettings):
+    """Which inputs the prompts carry (``conf/modality/``); how media are sized and sampled is inherited from
+    the model layer's :class:`relax_models.config.MediaSettings`."""
 
     name: str = "text"
     # input kind -> dataset column holding that kind's items (a path/bytes or a list of them), e.g.
     # {image: images, audio: audios}; relative paths are taken from the dataset file's folder; a null column
     # drops that kind (e.g. modality=omni modality.keys.image=null for a dataset without images)
     keys: dict[str, str | None] = field(default_factory=dict)
-    min_pixels: int = 3136
-    max_pixels: int = 401408
-    video_fps: float = 2.0
-    min_frames: int = 4
-    max_frames: int = 32
-    audio_sample_rate: int = 16000
-    # LLM tokens one video may cost (null: relax_models.processors.DEFAULT_VIDEO_MAX_TOKENS)
-    video_max_tokens: int | None = None
 
 
 @dataclass
@@ -187,15 +181,38 @@ class WeightTransferConfig:
 
 @dataclass
 class ClusterConfig:
-    """Where the Ray cluster comes from (``conf/cluster/``)."""
+    """Where the Ray cluster comes from (``conf/cluster/``): the fields every option has. Each option has its
+    own schema below (``cluster=local`` rejects ``cluster.partition``); relax_launch/cluster/ runs them."""
 
     name: str = "local"
-    # cluster=ray: address of an existing cluster ("auto" or host:port)
-    address: str | None = None
-    # cluster=local: logical resources of the in-process Ray
+    # whole-run restarts from the last checkpoint (Actor lost, or a role restarted too often)
+    max_global_restarts: int = 2
+
+
+@dataclass
+class LocalClusterConfig(ClusterConfig):
+    """``cluster=local``: Ray started inside this process on this machine."""
+
+    name: str = "local"
+    # logical resources of the in-process Ray (num_cpus null: all cores)
     num_cpus: int | None = None
     num_gpus: int = 0
-    # Slurm (cluster=slurm): submitit executor parameters
+
+
+@dataclass
+class RayClusterConfig(ClusterConfig):
+    """``cluster=ray``: attach to a running Ray cluster."""
+
+    name: str = "ray"
+    # host:port of the head, or "auto" (``$RAY_ADDRESS``, else a cluster started on this machine)
+    address: str = "auto"
+
+
+@dataclass
+class SlurmClusterConfig(ClusterConfig):
+    """``cluster=slurm``: the whole run as a Slurm job (submitit); every field maps to an sbatch option."""
+
+    name: str = "slurm"
     partition: str | None = None
     nodes: int = 1
     gpus_per_node: int = 0
@@ -205,10 +222,11 @@ class ClusterConfig:
     account: str | None = None
     qos: str | None = None
     additional_sbatch: dict[str, Any] = field(default_factory=dict)
-    ray_port: int = 6379
+    # GCS port of the Ray head the job starts (null: derived from the job id, so jobs sharing a node differ)
+    ray_port: int | None = None
     log_dir: str = "slurm_logs"
-    # cluster=slurm: job name, shell lines run before the job (module load, venv), and whether the
-    # submitting command waits for the job (false: print the job id and return)
+    # job name, shell lines run before the job (module load, venv), and whether the submitting command
+    # waits for the job (false: print the job id and return)
     job_name: str = "relax"
     setup: list[str] = field(default_factory=list)
     wait: bool = True
@@ -216,8 +234,16 @@ class ClusterConfig:
     max_requeues: int = 3
     # seconds before the time limit at which Slurm sends the checkpoint signal
     signal_delay_s: int = 120
-    # whole-run restarts from the last checkpoint (Actor lost, or a role restarted too often)
-    max_global_restarts: int = 2
+
+
+@dataclass
+class SlurmAllocationConfig(ClusterConfig):
+    """``cluster=slurm_allocation``: inside a Slurm job; Ray over its nodes (the one the job script started,
+    or built here)."""
+
+    name: str = "slurm_allocation"
+    # null: $RAY_ADDRESS, else a Ray cluster built over the allocation
+    address: str | None = None
 
 
 @dataclass

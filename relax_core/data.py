@@ -10,65 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord
+from relax_core.synthetic import generate_synthetic
 
 log = logging.getLogger(__name__)
-
-# name -> fn(rng, data_cfg) returning one row {"prompt", "label", "metadata"}
-SYNTHETIC_TASKS: dict[str, Callable[[random.Random, Any], dict]] = {}
-
-
-def synthetic_task(name: str):
-    def decorate(fn):
-        SYNTHETIC_TASKS[name] = fn
-        return fn
-
-    return decorate
-
-
-@synthetic_task("digits")
-def digits_row(rng: random.Random, cfg) -> dict:
-    """``sort 31524:`` -> ``12345``: sort a random digit string (scored with per-position credit)."""
-    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(cfg.min_digits, cfg.max_digits)))
-    return {"prompt": f"sort {digits}:", "label": "".join(sorted(digits)), "metadata": {"task": "sort"}}
-
-
-def generate_synthetic(cfg, folder: str | Path, seed: int) -> tuple[str, str]:
-    """Write ``train.jsonl`` and ``eval.jsonl`` for ``cfg.synthetic``; eval prompts never occur in train."""
-    if cfg.synthetic not in SYNTHETIC_TASKS:
-        raise RelaxUserError(
-            f"data.synthetic={cfg.synthetic!r} is unknown; choose one of {sorted(SYNTHETIC_TASKS)}"
-        )
-    make_row = SYNTHETIC_TASKS[cfg.synthetic]
-    rng = random.Random(seed)
-    eval_rows = {}
-    while len(eval_rows) < cfg.num_eval:
-        row = make_row(rng, cfg)
-        # rows with media may share a prompt text: their "_key" tells them apart
-        eval_rows[row.get("_key", row["prompt"])] = row
-    train_rows = []
-    for _ in range(cfg.num_train * 20):
-        if len(train_rows) == cfg.num_train:
-            break
-        row = make_row(rng, cfg)
-        if row.get("_key", row["prompt"]) not in eval_rows:
-            train_rows.append(row)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, rows in (("train", train_rows), ("eval", list(eval_rows.values()))):
-        from relax_core.synthetic_multimodal import write_row_media
-
-        rows = [write_row_media(r, folder / "media", f"{name}_{i}") for i, r in enumerate(rows)]
-        path = folder / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        paths.append(str(path))
-    return paths[0], paths[1]
 
 
 def dataset_paths(cfg, output_dir: str, seed: int) -> tuple[str, str | None]:
@@ -186,9 +135,7 @@ def load_prompts(path: str, cfg, tokenizer, media=None) -> tuple[list[PromptReco
                 raise KeyError(cfg.prompt_key)
             row_items = None
             if media is not None:
-                from relax_core.multimodal import row_media
-
-                row_items = row_media(row, media.modality_cfg, Path(path).expanduser().parent) or None
+                row_items = media.row_items(row, Path(path).expanduser().parent) or None
                 prompt = with_media_markers(prompt, row_items or {})
             text = render_prompt(prompt, tokenizer, cfg)
             label = get_field(row, cfg.label_key) if cfg.label_key else None
@@ -262,7 +209,3 @@ class PromptStream:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._epoch_order()
-
-
-# multimodal synthetic tasks register themselves in SYNTHETIC_TASKS
-import relax_core.synthetic_multimodal  # noqa: E402, F401

@@ -1,8 +1,9 @@
 """Errors a user can cause (bad config, missing files, malformed data).
 
-The launcher prints their message as one line and exits non-zero instead of showing a traceback.
+``RelaxUserError`` lives in the model layer (``relax_models.errors``), the lowest package that raises it;
+this is its name for the engine and the launcher, which catch it around a run.
 """
 
+from relax_models.errors import RelaxUserError
 
-class RelaxUserError(Exception):
-    """A problem with the user's input; the message names the cause and how to fix it."""
+__all__ = ["RelaxUserError"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from relax_core.data import get_field
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord, TrainBatch
 
@@ -64,8 +65,6 @@ def row_media(row: dict, modality_cfg, base_dir: str | Path | None = None) -> di
 
     Raises ``KeyError(column)`` for a missing column, like the other column lookups of the loader.
     """
-    from relax_core.data import get_field
-
     base = Path(base_dir) if base_dir is not None else None
     media: dict[str, list[Any]] = {}
     for kind, column in modality_cfg.keys.items():
@@ -93,6 +92,10 @@ class MediaPrompts:
         from relax_models.processors import load_processor
 
         return cls(load_processor(model_path), modality_cfg)
+
+    def row_items(self, row: dict, base_dir: str | Path) -> dict[str, list[Any]]:
+        """The media items of one dataset row per kind (:func:`row_media` with this run's columns)."""
+        return row_media(row, self.modality_cfg, base_dir)
 
     def encode(
         self, text: str, media: dict[str, list[Any]]

@@ -1,9 +1,8 @@
 """Synthetic multimodal tasks: questions whose answer is only in the image or the sound.
 
-Each task is a ``SYNTHETIC_TASKS`` entry like the text ``digits`` task. A row carries its media in memory
-under ``_media`` (images as HWC uint8 arrays, audio as ``(waveform, rate)``) and a ``_key`` that tells apart
-rows with the same question text; :func:`write_row_media` writes the media next to the dataset file (PNG
-with Pillow, 16-bit WAV with soundfile) and stores their relative paths in the ``images`` / ``audios``
+Each task is a ``relax_core.synthetic`` entry like the text ``digits`` task. A row carries its media in
+memory under ``_media`` and a ``_key`` that tells apart rows with the same question text;
+:func:`relax_core.synthetic.generate_synthetic` writes the media to files in the ``images`` / ``audios``
 columns, which ``modality.keys`` points at. Answers are letters scored by the ``multiple_choice`` reward;
 the option order is fixed, so only the media tell the answers apart.
 """
@@ -12,11 +11,9 @@ from __future__ import annotations
 
 import random
 import string
-from pathlib import Path
-from typing import Any
 
-from relax_core.data import synthetic_task
 from relax_core.errors import RelaxUserError
+from relax_core.synthetic import synthetic_task
 
 # name -> RGB; a row jitters its colour so no two images are alike
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -30,7 +27,6 @@ COLORS: dict[str, tuple[int, int, int]] = {
 # tone choices: log-spaced pitches, an octave apart from 250 Hz
 TONES_HZ = (250.0, 500.0, 1000.0, 2000.0, 4000.0, 6000.0)
 AUDIO_RATE = 16000
-COLUMN = {"image": "images", "video": "videos", "audio": "audios"}
 
 
 def _options(cfg, names: list[str]) -> list[str]:
@@ -99,32 +95,3 @@ def audio_tones_row(rng: random.Random, cfg) -> dict:
         "_media": {"audio": [(np.clip(wave, -1, 1), AUDIO_RATE)]},
         "_key": f"{answer}-{freq:.2f}-{amp:.3f}-{phase:.3f}-{onset}",
     }
-
-
-def write_row_media(row: dict, folder: Path, stem: str) -> dict:
-    """``row`` without its in-memory ``_media``/``_key``; media files go to ``folder`` and their paths
-    (relative to the dataset file, which sits in ``folder.parent``) to the ``images``/``audios`` columns."""
-    media: dict[str, list[Any]] | None = row.pop("_media", None)
-    row.pop("_key", None)
-    if not media:
-        return row
-    folder.mkdir(parents=True, exist_ok=True)
-    for kind, items in media.items():
-        paths = []
-        for j, item in enumerate(items):
-            if kind == "image":
-                from PIL import Image
-
-                file = folder / f"{stem}_{j}.png"
-                Image.fromarray(item).save(file)
-            elif kind == "audio":
-                import soundfile
-
-                file = folder / f"{stem}_{j}.wav"
-                wave, rate = item
-                soundfile.write(str(file), wave, rate, subtype="PCM_16")
-            else:
-                raise ValueError(f"synthetic media of kind {kind!r} cannot be written")
-            paths.append(f"{folder.name}/{file.name}")
-        row[COLUMN[kind]] = paths
-    return row

@@ -14,9 +14,13 @@ from omegaconf import DictConfig, OmegaConf
 from relax_core.config import RelaxConfig
 from relax_core.errors import RelaxUserError
 from relax_core.health import RunFailedError
+from relax_launch.cluster import LAUNCHERS
 
 CONFIG_MODULE = "relax_launch.conf"
 ConfigStore.instance().store(name="relax_schema", node=RelaxConfig)
+# each cluster option's own schema; conf/cluster/<name>.yaml extends ``base_<name>``
+for _name, _launcher in LAUNCHERS.items():
+    ConfigStore.instance().store(group="cluster", name=f"base_{_name}", node=_launcher.schema)
 log = logging.getLogger("relax")
 
 
@@ -50,11 +54,12 @@ def unknown_keys(node: DictConfig, schema: DictConfig, prefix: str = "") -> list
             found.append(name)
             continue
         child, ref = node._get_node(key), schema._get_node(key)
-        if isinstance(child, DictConfig) and isinstance(ref, DictConfig) and ref._is_none():
-            # an optional dataclass field that defaults to null (model.tiny, algorithm.critic): check the
-            # node against its dataclass, else a typo under it is silently dropped by OmegaConf.to_object
+        if isinstance(child, DictConfig) and isinstance(ref, DictConfig):
+            # a dataclass field that defaults to null (model.tiny, algorithm.critic) or an option's own
+            # subclass (cluster=slurm): check the node against its own dataclass, else a typo under it is
+            # silently dropped by OmegaConf.to_object
             child_type = OmegaConf.get_type(child)
-            if dataclasses.is_dataclass(child_type):
+            if dataclasses.is_dataclass(child_type) and child_type is not OmegaConf.get_type(ref):
                 ref = OmegaConf.structured(child_type)
         if (
             isinstance(child, DictConfig)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from relax_core.errors import RelaxUserError
+from relax_models.errors import RelaxUserError
 
 # input kinds each user-facing modality (``conf/modality/``) needs; ``image``/``video`` are finer choices
 MODALITY_INPUTS: dict[str, tuple[str, ...]] = {

@@ -196,7 +196,7 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     ``(ok, value_or_message)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     # import the heavy parts before taking work, so the first call's timeout is not spent on imports
-    import relax_rewards  # noqa: F401
+    import relax_rewards.builtin  # noqa: F401  (and with it the package: every built-in reward registered)
 
     try:
         import math_verify  # noqa: F401

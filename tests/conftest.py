@@ -1,18 +1,18 @@
-"""Session-wide test setup: quiet, offline, single-threaded torch, and one tiny model folder for everyone.
+"""Session-wide test setup: quiet, offline, single-threaded torch, and one tiny model folder (with its
+tokenizer and model) for everyone.
 
-Area-specific fixtures live in ``tests/<area>/conftest.py``; keep this file small.
+Area-specific fixtures live in ``tests/<area>/conftest.py``; keep this file small. Tiny-model dimensions are
+in ``tests/tiny_dims.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 import torch
-
-from relax_core.config import TinyModelSpec
+from tiny_dims import tiny_dims as default_tiny_dims
 
 # offline and quiet in this process and every subprocess / Ray worker it starts
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -23,14 +23,11 @@ os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 # the shared 2-core machine: one intra-op thread keeps tests from fighting each other
 torch.set_num_threads(1)
 
-# the dimensions of conf/model/tiny_qwen3.yaml (the schema defaults)
-TINY_DIMS = {k: v for k, v in dataclasses.asdict(TinyModelSpec()).items() if v is not None}
-
 
 @pytest.fixture(scope="session")
 def tiny_dims() -> dict:
     """Qwen3Config overrides of the default tiny model (``conf/model/tiny_qwen3.yaml``)."""
-    return dict(TINY_DIMS)
+    return default_tiny_dims()
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +35,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init tiny Qwen3 + char tokenizer folder, built once (read-only for tests)."""
     from relax_models.tiny import build_tiny_qwen3
 
-    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=7, **TINY_DIMS)
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), seed=7, **default_tiny_dims())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    """The tiny model's char tokenizer (no chat template)."""
+    from relax_models.loader import load_tokenizer
+
+    return load_tokenizer(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> torch.nn.Module:
+    """The tiny model in eval mode, one per test module."""
+    from relax_models.loader import load_causal_lm
+
+    return load_causal_lm(str(tiny_model_dir)).eval()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -32,15 +32,17 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import ray
 
 from relax_core.agentic.server import AgentServer, EpisodeBoard, Trajectory, TrajectoryStore, build_app
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.errors import RelaxUserError
-from relax_core.rollout_pool import RolloutPool
 from relax_core.samples import PromptRecord, Sample
+
+if TYPE_CHECKING:  # the pool imports the Rollout role, which imports this package
+    from relax_core.rollout_pool import RolloutPool
 
 log = logging.getLogger("relax")
 

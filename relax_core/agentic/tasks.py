@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from relax_core.data import synthetic_task
+from relax_core.synthetic import synthetic_task
 
 
 @synthetic_task("calc")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import socket
 import threading
 import time
 from typing import Any
@@ -221,12 +220,6 @@ def create_app(engine: Any, tokenizer: Any = None, model_path: str = "") -> Fast
         return out if (batched or sampling.n > 1) else out[0]
 
     return app
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:

@@ -15,8 +15,8 @@ import time
 import httpx
 
 from relax_core.engines.client import HttpEngine
-from relax_core.engines.http_server import free_port
 from relax_core.errors import RelaxUserError
+from relax_models.ports import free_port
 
 
 def sglang_unavailable_reason() -> str | None:

@@ -28,7 +28,7 @@ from relax_core.roles.teacher import Teacher
 from relax_core.rollout_pool import RolloutPool
 from relax_core.samples import PromptRecord, Sample, TrainBatch
 from relax_core.weight_transfer import WeightTransfer, choose_strategy
-from relax_models.megatron.cpu_shim import free_port
+from relax_models.ports import free_port
 
 log = logging.getLogger("relax")
 

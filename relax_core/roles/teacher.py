@@ -147,8 +147,9 @@ def train_task_teacher(teacher_cfg, data_cfg, seed: int, folder: Path) -> dict:
     """
     from relax_core.algorithms.logprobs import token_logprobs_and_entropy
     from relax_core.algorithms.masked import masked_mean
-    from relax_core.data import SYNTHETIC_TASKS, render_prompt
+    from relax_core.data import render_prompt
     from relax_core.samples import Sample
+    from relax_core.synthetic import SYNTHETIC_TASKS
     from relax_models.loader import load_causal_lm, load_tokenizer
     from relax_models.tiny import build_tiny_qwen3
 

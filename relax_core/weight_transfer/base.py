@@ -131,7 +131,7 @@ class WeightSource(_WeightEndpoint):
         """This node's address and a free port: the rendezvous of a broadcast group the source leads."""
         import ray
 
-        from relax_models.megatron.cpu_shim import free_port
+        from relax_models.ports import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 

@@ -20,10 +20,11 @@ available, so GPU runs never see it.
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
+
+from relax_models.ports import free_port
 
 _ORIGINAL_CURRENT_DEVICE = torch.cuda.current_device
 _ENABLED = False
@@ -68,13 +69,6 @@ def disable_cpu_shim() -> None:
     global _ENABLED
     torch.cuda.current_device = _ORIGINAL_CURRENT_DEVICE  # type: ignore[assignment]
     _ENABLED = False
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (rendezvous for single-host process groups)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_process_group(

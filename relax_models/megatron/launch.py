@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from relax_core.errors import RelaxUserError
+from relax_models.errors import RelaxUserError
 from relax_models.megatron.model import (
     ArchSpec,
     ParallelSizes,

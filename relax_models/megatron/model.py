@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from relax_core.errors import RelaxUserError
+from relax_models.errors import RelaxUserError
 from relax_models.megatron.cpu_shim import (
     cuda_available,
     enable_cpu_shim,

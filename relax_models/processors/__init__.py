@@ -1,5 +1,6 @@
 """Preprocessing of images, videos and audio into the token ids and tensors multimodal models take."""
 
+from relax_models.config import MediaSettings
 from relax_models.processors.audio import audio_token_count, load_audio, resample
 from relax_models.processors.image import fit_size, image_token_count, load_image, resize_image
 from relax_models.processors.processor import (
@@ -13,6 +14,7 @@ from relax_models.processors.video import VideoClip, patchify_frames, sample_vid
 
 __all__ = [
     "DEFAULT_VIDEO_MAX_TOKENS",
+    "MediaSettings",
     "MultimodalProcessor",
     "VideoClip",
     "audio_token_count",

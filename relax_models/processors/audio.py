@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import soundfile
 
-from relax_core.errors import RelaxUserError
+from relax_models.errors import RelaxUserError
 
 
 def load_audio(item: Any) -> tuple[np.ndarray, int]:

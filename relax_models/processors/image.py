@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from relax_core.errors import RelaxUserError
+from relax_models.errors import RelaxUserError
 
 MAX_ASPECT_RATIO = 200.0
 

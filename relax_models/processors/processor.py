@@ -22,14 +22,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from relax_core.config import ModalityConfig
-from relax_core.errors import RelaxUserError
+from relax_models.config import MediaSettings
+from relax_models.errors import RelaxUserError
 from relax_models.families import FamilySpec, family_for_model_type, get_family
 from relax_models.processors.audio import audio_token_count, load_audio, resample
 from relax_models.processors.image import load_image, resize_image
 from relax_models.processors.video import patchify_frames, sample_video, video_frame_size
 
-# LLM tokens one video may cost when the modality config names no ``video_max_tokens``
+# LLM tokens one video may cost when the settings name no ``video_max_tokens``
 DEFAULT_VIDEO_MAX_TOKENS = 2048
 
 # special-token roles -> the strings Qwen3-VL / Qwen3-Omni tokenizers use (overridden by tokenizer attributes)
@@ -184,11 +184,11 @@ def _normalize(frames: np.ndarray, image_processor: Any) -> np.ndarray:
 
 
 def _process_videos(
-    proc: MultimodalProcessor, videos: Sequence[Any], cfg: ModalityConfig
+    proc: MultimodalProcessor, videos: Sequence[Any], cfg: MediaSettings
 ) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
     """Tensors for ``videos`` and, per video, the LLM token ids that stand for it."""
     tp, factor = proc.temporal_patch_size, proc.factor
-    budget = int(getattr(cfg, "video_max_tokens", None) or DEFAULT_VIDEO_MAX_TOKENS)
+    budget = cfg.video_max_tokens or DEFAULT_VIDEO_MAX_TOKENS
     vs, ve, pad = (
         proc.token_id("vision_bos_token"),
         proc.token_id("vision_eos_token"),
@@ -230,7 +230,7 @@ def _process_videos(
 
 
 def _process_audios(
-    proc: MultimodalProcessor, audios: Sequence[Any], cfg: ModalityConfig
+    proc: MultimodalProcessor, audios: Sequence[Any], cfg: MediaSettings
 ) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
     fe = proc.feature_extractor
     if cfg.audio_sample_rate != fe.sampling_rate:
@@ -267,7 +267,7 @@ def build_multimodal_inputs(
     images: Sequence[Any] | None = None,
     videos: Sequence[Any] | None = None,
     audios: Sequence[Any] | None = None,
-    modality_cfg: ModalityConfig | None = None,
+    modality_cfg: MediaSettings | None = None,
     pixel_dtype: torch.dtype = torch.float32,
 ) -> tuple[list[int], dict[str, torch.Tensor] | None]:
     """Token ids of ``text`` with each media placeholder expanded, and the tensors the model forward needs.
@@ -276,15 +276,15 @@ def build_multimodal_inputs(
     placeholder (``<|vision_start|><|image_pad|><|vision_end|>``, ``<|video_pad|>``, ``<|audio_pad|>``, framed
     or bare) or a generic ``<image>`` / ``<video>`` / ``<audio>``; the count per kind must match the items.
     Images are resized within ``min_pixels``..``max_pixels``; videos are sampled at ``video_fps`` within
-    ``min_frames``..``max_frames`` and sized so that each costs at most ``video_max_tokens`` (a
-    ``ModalityConfig`` attribute if present, else ``DEFAULT_VIDEO_MAX_TOKENS``); audio is resampled to the
+    ``min_frames``..``max_frames`` and sized so that each costs at most ``video_max_tokens`` (else
+    ``DEFAULT_VIDEO_MAX_TOKENS``); all from ``modality_cfg`` (:class:`MediaSettings`); audio is resampled to the
     feature extractor's rate (16 kHz).
 
     Returns ``(prompt_ids, tensors)``; ``tensors`` is ``None`` for a text-only prompt, else a dict with
     ``pixel_values`` + ``image_grid_thw``, ``pixel_values_videos`` + ``video_grid_thw`` (+
     ``video_second_per_grid`` for Qwen3-Omni), ``input_features`` + ``feature_attention_mask``.
     """
-    cfg = modality_cfg or ModalityConfig()
+    cfg = modality_cfg or MediaSettings()
     spec = processor.spec
     items = {"image": list(images or []), "video": list(videos or []), "audio": list(audios or [])}
     kinds = [k for k in ("image", "video", "audio") if k in spec.inputs]

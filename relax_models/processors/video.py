@@ -12,7 +12,7 @@ from typing import Any
 import av
 import numpy as np
 
-from relax_core.errors import RelaxUserError
+from relax_models.errors import RelaxUserError
 from relax_models.processors.image import fit_size
 
 

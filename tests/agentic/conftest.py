@@ -6,19 +6,12 @@ import random
 from pathlib import Path
 
 import pytest
+from tiny_dims import SMALL_DIMS
 
 from relax_core.config import DataConfig, RolloutConfig
 from relax_core.samples import PromptRecord
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-)
+TINY = {**SMALL_DIMS, "tie_word_embeddings": False}
 
 
 @pytest.fixture(scope="session")

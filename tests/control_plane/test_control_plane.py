@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from relax_core.control_plane import check_security, create_app
-from relax_core.engines.http_server import ServerThread, free_port
+from relax_core.engines.http_server import ServerThread
 from relax_core.errors import RelaxUserError
+from relax_models.ports import free_port
 
 
 def test_token_openapi_and_validation_without_a_job() -> None:

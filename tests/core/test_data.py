@@ -14,20 +14,11 @@ from relax_core.config import DataConfig
 from relax_core.data import PromptStream, dataset_paths, generate_synthetic, load_prompts
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord
-from relax_models.loader import load_tokenizer
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path):
-    """The tiny model's char tokenizer; it has no chat template (raw prompts)."""
-    tok = load_tokenizer(str(tiny_model_dir))
-    assert not getattr(tok, "chat_template", None)
-    return tok
 
 
 @pytest.fixture(scope="module")

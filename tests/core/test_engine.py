@@ -14,20 +14,10 @@ from relax_core.engines import build_engine
 from relax_core.engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from relax_core.errors import RelaxUserError
 from relax_core.samples import Sample, TrainBatch
-from relax_models.loader import load_causal_lm, load_tokenizer
+from relax_models.loader import load_causal_lm
 from relax_models.tiny import build_tiny_qwen3
 
 PROMPTS = ["sort 31524:", "sort 9:", "sort 8080:", "hello there, sort 123:"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path):
-    return load_tokenizer(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Path) -> torch.nn.Module:
-    return load_causal_lm(str(tiny_model_dir)).eval()
 
 
 @pytest.fixture(scope="module")

@@ -40,11 +40,6 @@ def make_batch(tokenizer, with_masked_row: bool = False) -> TrainBatch:
     return batch
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path):
-    return load_tokenizer(str(tiny_model_dir))
-
-
 def objective_step(backend: TorchBackend, batch: TrainBatch, algo: AlgorithmConfig, micro: int) -> dict:
     """One optimizer step the way the Actor does it: per-micro-batch weights from the whole batch."""
     total_tokens, total_seqs = float(batch.loss_mask.sum()), sequence_count(batch, algo)

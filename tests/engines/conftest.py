@@ -6,22 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from engine_helpers import make_engine
 
 from relax_core.engines.http_server import ServerThread, create_app
 from relax_core.engines.torch_engine import TorchEngine
-from relax_models.loader import load_causal_lm, load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path):
-    return load_tokenizer(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Path) -> torch.nn.Module:
-    return load_causal_lm(str(tiny_model_dir)).eval()
 
 
 @pytest.fixture

@@ -16,11 +16,12 @@ from relax_core.config import ModelConfig
 from relax_core.engines import build_engine
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.client import HttpEngine, save_weights_folder
-from relax_core.engines.http_server import ServerThread, create_app, free_port
+from relax_core.engines.http_server import ServerThread, create_app
 from relax_core.engines.router import Router
 from relax_core.engines.sglang import launch_command, sglang_unavailable_reason
 from relax_core.engines.vllm import vllm_unavailable_reason
 from relax_core.errors import RelaxUserError
+from relax_models.ports import free_port
 
 
 def test_generate_speaks_sglang_native_api(server, tokenizer) -> None:

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 @pytest.fixture(scope="module")
 def megatron_world() -> Iterator[None]:
-    from relax_models.megatron.cpu_shim import disable_cpu_shim, free_port, init_process_group
+    from relax_models.megatron.cpu_shim import disable_cpu_shim, init_process_group
+    from relax_models.ports import free_port
 
     init_process_group(rank=0, world_size=1, port=free_port())
     yield

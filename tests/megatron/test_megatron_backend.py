@@ -11,13 +11,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from megatron_twins import make_hf_model, moe_config
+from tiny_dims import SMALL_DIMS
 
 from relax_core.backends.megatron_backend import MegatronBackend
 from relax_core.backends.torch_backend import TorchBackend
 from relax_core.config import ModelConfig, TrainerConfig
 from relax_core.errors import RelaxUserError
 from relax_core.samples import Sample, TrainBatch
-from relax_models.megatron.cpu_shim import free_port
+from relax_models.ports import free_port
 from relax_models.tiny import build_tiny_qwen3
 from relax_models.tokenizer import build_char_tokenizer
 
@@ -27,17 +28,7 @@ pytestmark = [
 ]
 torch.set_num_threads(1)
 
-DENSE_DIMS = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=24,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-    initializer_range=0.1,
-)
+DENSE_DIMS = {**SMALL_DIMS, "head_dim": 24, "max_position_embeddings": 64, "initializer_range": 0.1}
 
 
 # the torch backend's loader checks the checkpoint against model.family

@@ -114,7 +114,7 @@ def _worker(rank: int, port: int, queue: Any) -> None:
 
 @pytest.fixture(scope="module")
 def parallel_results() -> dict[tuple[int, str], dict[str, Any]]:
-    from relax_models.megatron.cpu_shim import free_port
+    from relax_models.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tiny_dims import SMALL_DIMS
+
 from relax_core.config import ModelConfig, TinyModelSpec
 
 TASKS = {
@@ -13,11 +15,5 @@ TASKS = {
 
 def tiny_model_cfg(family: str) -> ModelConfig:
     """The model config the conf/model/tiny_<family>.yaml twins use."""
-    spec = TinyModelSpec(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-    )
+    spec = TinyModelSpec(**{**SMALL_DIMS, "max_position_embeddings": 4096})
     return ModelConfig(name=f"tiny_{family}", family=family, tiny=spec)

@@ -14,13 +14,9 @@ from pathlib import Path
 import pytest
 from resilience_helpers import TINY_RUN, read_metrics
 
+from relax_models.ports import free_port
+
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _reachable(port: int) -> bool:
@@ -32,7 +28,7 @@ def _reachable(port: int) -> bool:
 
 
 def test_cluster_ray_attaches_to_an_existing_head(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     ray_bin = str(Path(sys.executable).with_name("ray"))
     # our own head in its own session, so that stopping it touches no other Ray on the machine
@@ -99,7 +95,7 @@ def _stop_session(proc: subprocess.Popen) -> None:
 
 
 def test_cluster_ray_with_nothing_at_the_address_is_one_clear_error(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",

@@ -60,7 +60,10 @@ def _restarts(job_id: str) -> int:
 
 @requires_slurm
 def test_cluster_slurm_run_is_preempted_requeues_and_resumes(tmp_path: Path) -> None:
-    from relax_launch.cluster.slurm import submit
+    from omegaconf import OmegaConf
+
+    from relax_launch.cluster.slurm_submit import SlurmSubmitLauncher
+    from relax_launch.experiment import run_experiment_on_ray
 
     run_dir = tmp_path / "run"
     cfg = compose(
@@ -75,7 +78,7 @@ def test_cluster_slurm_run_is_preempted_requeues_and_resumes(tmp_path: Path) -> 
         ],
         run_dir,
     )
-    job = submit(cfg)
+    job = SlurmSubmitLauncher(OmegaConf.to_object(cfg).cluster).submit(cfg, run_experiment_on_ray)
     wait_for_step(run_dir, 2)
     # the time-limit signal submitit asks Slurm for (what `#SBATCH --signal=USR2@...` sends)
     subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=15)

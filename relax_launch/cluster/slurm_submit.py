@@ -1,12 +1,13 @@
 """``cluster=slurm``: run a whole experiment as a Slurm job through submitit.
 
-Outside a Slurm job, :func:`submit_run` submits one job of ``cluster.nodes`` nodes (one task per node) and,
-with ``cluster.wait``, waits for its summary. Inside the job every task calls :class:`SlurmRun`: node 0
-starts the Ray head, the other nodes join it (``slurm_bootstrap``), the driver on node 0 waits until all
-nodes are alive, runs the experiment on that cluster and stops it at the end.
+Outside a Slurm job, :meth:`SlurmSubmitLauncher.submit` submits one job of ``cluster.nodes`` nodes (one task
+per node) and, with ``cluster.wait``, waits for its summary. Inside the job every task calls
+:class:`SlurmRun`, which runs the experiment function it was given over the allocation
+(:func:`relax_launch.cluster.slurm_allocation.run_over_allocation`: node 0 starts the Ray head, the other
+nodes join it, the experiment runs on node 0, Ray stops at the end).
 
 Already inside an allocation (a Hydra sweep point started by ``hydra/launcher=slurm``, ``salloc``), the
-same bootstrap runs in place: no second job is submitted.
+same function runs in place: no second job is submitted.
 
 Preemption and time limits: Slurm sends the submitit checkpoint signal ``cluster.signal_delay_s`` seconds
 before the end (or on preemption). :meth:`SlurmRun.checkpoint` asks the step loop to stop at the end of the
@@ -17,16 +18,18 @@ requeued job continues from that checkpoint (at most ``cluster.max_requeues`` ti
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from relax_core.config import RelaxConfig, SlurmClusterConfig
 from relax_core.errors import RelaxUserError
+from relax_launch.cluster.base import ClusterLauncher
+from relax_launch.cluster.slurm_allocation import inside_slurm_job, run_over_allocation
+from relax_launch.experiment import Experiment, Summary, report
 
 log = logging.getLogger("relax")
 
@@ -34,11 +37,7 @@ log = logging.getLogger("relax")
 PREEMPT_SAVE_TIMEOUT_S = 90.0
 
 
-def inside_slurm_job() -> bool:
-    return "SLURM_JOB_ID" in os.environ
-
-
-def executor_parameters(cluster, output_dir: str) -> dict[str, Any]:
+def executor_parameters(cluster: SlurmClusterConfig) -> dict[str, Any]:
     """submitit ``update_parameters`` kwargs from ``cluster.*`` (one task per node: Ray needs one node each)."""
     params: dict[str, Any] = {
         "nodes": cluster.nodes,
@@ -70,43 +69,51 @@ def _pythonpath_line() -> str:
     return f"export PYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}}"
 
 
-def submit_run(cfg: DictConfig) -> dict[str, Any] | None:
-    """Submit ``cfg`` as one Slurm job; return the run's summary (None when ``cluster.wait`` is false)."""
-    job = submit(cfg)
-    if not cfg.cluster.wait:
-        return None
-    results = job.results()
-    return next((r for r in results if r is not None), None)
+class SlurmSubmitLauncher(ClusterLauncher):
+    schema = SlurmClusterConfig
+    cluster: SlurmClusterConfig
 
+    def launch(self, cfg: DictConfig, experiment: Experiment) -> Summary | None:
+        """Submit the run as a job and return its summary (None when ``cluster.wait`` is false); inside an
+        allocation already, run it over that allocation."""
+        if inside_slurm_job():
+            return run_over_allocation(cfg, experiment, self.cluster.ray_port)
+        job = self.submit(cfg, experiment)
+        if not self.cluster.wait:
+            return None
+        return next((r for r in job.results() if r is not None), None)
 
-def submit(cfg: DictConfig):
-    """Submit ``cfg`` as one Slurm job of ``cluster.nodes`` nodes and return the ``submitit.Job``."""
-    import shutil
+    def submit(self, cfg: DictConfig, experiment: Experiment):
+        """Submit ``cfg`` as one Slurm job of ``cluster.nodes`` nodes and return the ``submitit.Job``."""
+        import shutil
 
-    import submitit
+        import submitit
 
-    if shutil.which("sbatch") is None:
-        raise RelaxUserError("cluster=slurm: sbatch is not on PATH (is this a Slurm login node?)")
-    cluster = cfg.cluster
-    folder = Path(cfg.output_dir) / cluster.log_dir
-    executor = submitit.AutoExecutor(
-        folder=folder / "%j", cluster="slurm", slurm_max_num_timeout=cluster.max_requeues
-    )
-    try:
-        executor.update_parameters(**executor_parameters(cluster, cfg.output_dir))
-    except (ValueError, TypeError, NameError) as err:
-        raise RelaxUserError(f"cluster=slurm: {err}") from None
-    container = OmegaConf.to_container(cfg, resolve=True)
-    job = executor.submit(SlurmRun(), container)
-    log.info("submitted Slurm job %s (%d node(s)); logs: %s", job.job_id, cluster.nodes, folder / job.job_id)
-    print(f"relax: Slurm job {job.job_id} submitted; logs in {folder / job.job_id}", file=sys.stderr)
-    return job
+        if shutil.which("sbatch") is None:
+            raise RelaxUserError("cluster=slurm: sbatch is not on PATH (is this a Slurm login node?)")
+        cluster = self.cluster
+        folder = Path(cfg.output_dir) / cluster.log_dir
+        executor = submitit.AutoExecutor(
+            folder=folder / "%j", cluster="slurm", slurm_max_num_timeout=cluster.max_requeues
+        )
+        try:
+            executor.update_parameters(**executor_parameters(cluster))
+        except (ValueError, TypeError, NameError) as err:
+            raise RelaxUserError(f"cluster=slurm: {err}") from None
+        container = OmegaConf.to_container(cfg, resolve=True)
+        job = executor.submit(SlurmRun(experiment), container)
+        log.info(
+            "submitted Slurm job %s (%d node(s)); logs: %s", job.job_id, cluster.nodes, folder / job.job_id
+        )
+        print(f"relax: Slurm job {job.job_id} submitted; logs in {folder / job.job_id}", file=sys.stderr)
+        return job
 
 
 class SlurmRun:
     """What every task of the job runs (picklable; submitit calls it and, on the signal, ``checkpoint``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, experiment: Experiment) -> None:
+        self.experiment = experiment
         self._thread: threading.Thread | None = None
 
     def __call__(self, container: dict[str, Any]) -> dict[str, Any] | None:
@@ -116,7 +123,7 @@ class SlurmRun:
 
         def target() -> None:
             try:
-                outcome["summary"] = run_in_allocation(cfg)
+                outcome["summary"] = run_over_allocation(cfg, self.experiment, cfg.cluster.ray_port)
             except BaseException as err:  # re-raised in the main thread
                 outcome["error"] = err
 
@@ -128,6 +135,7 @@ class SlurmRun:
             self._thread.join(timeout=0.5)
         if "error" in outcome:
             raise outcome["error"]
+        report(outcome.get("summary"))  # into the job's log
         return outcome.get("summary")
 
     def checkpoint(self, container: dict[str, Any]):
@@ -142,27 +150,8 @@ class SlurmRun:
             self._thread.join(timeout=PREEMPT_SAVE_TIMEOUT_S)
         container = dict(container)
         container["trainer"] = dict(container["trainer"], resume="auto")
-        return submitit.helpers.DelayedSubmission(SlurmRun(), container)
+        return submitit.helpers.DelayedSubmission(SlurmRun(self.experiment), container)
 
 
 def _to_config(container: dict[str, Any]) -> DictConfig:
-    from relax_core.config import RelaxConfig
-
-    return OmegaConf.merge(OmegaConf.structured(RelaxConfig), container)
-
-
-def run_in_allocation(cfg: DictConfig) -> dict[str, Any] | None:
-    """Inside a Slurm job: Ray across the allocation, the experiment on node 0, Ray down; None elsewhere."""
-    from relax_launch.cluster.slurm_bootstrap import bootstrap_ray_in_allocation, stop_ray
-    from relax_launch.run import run_experiment
-
-    started = time.monotonic()
-    address = bootstrap_ray_in_allocation(port=None if cfg.cluster.ray_port == 6379 else cfg.cluster.ray_port)
-    if address is None:  # a worker node: it served until the head stopped
-        return None
-    log.info("Ray cluster over the allocation ready in %.1fs at %s", time.monotonic() - started, address)
-    try:
-        cfg.cluster.address = address
-        return run_experiment(cfg, in_allocation=True)
-    finally:
-        stop_ray()
+    return OmegaConf.merge(OmegaConf.structured(RelaxConfig(cluster=SlurmClusterConfig())), container)
