@@ -11,14 +11,8 @@ from typing import Any
 
 import ray
 
-from relax_core.weight_transfer.base import (
-    Layout,
-    TransferStats,
-    WeightReceiver,
-    WeightSource,
-    layout_of,
-    plan_buckets,
-)
+from relax_core.weight_transfer.base import TransferStats, WeightReceiver, WeightSource
+from relax_core.weight_transfer.channel import Layout, layout_of, plan_buckets
 
 log = logging.getLogger("relax")
 

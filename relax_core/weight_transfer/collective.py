@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from relax_core.weight_transfer.base import Channel, Layout, plan_buckets
+from relax_core.weight_transfer.channel import Channel, Layout, plan_buckets
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from relax_core.weight_transfer.base import Channel
+from relax_core.weight_transfer.channel import Channel
 
 
 @dataclass

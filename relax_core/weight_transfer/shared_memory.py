@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from relax_core.weight_transfer.base import Channel, Layout, nbytes
+from relax_core.weight_transfer.channel import Channel, Layout, nbytes
 
 SHM_ROOT = Path("/dev/shm")
 
