@@ -1,0 +1,54 @@
+"""An engine server subprocess (vLLM, SGLang) in its own process group: started, waited on until healthy,
+and stopped with every child it spawned (vLLM's engine core, SGLang's schedulers): no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+
+
+class ServerProcess:
+    def __init__(self, command: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        self.command = command
+        self.popen = subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait_healthy(self, healthy: Callable[[], bool], what: str, timeout_s: float) -> None:
+        """Poll ``healthy`` until it holds; stop the group and raise when the server exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        while not healthy():
+            if not self.alive() or time.monotonic() > deadline:
+                code = self.popen.poll()
+                self.stop()
+                raise RuntimeError(f"{what} did not become healthy (exit code {code}): {' '.join(self.command)}")
+            time.sleep(1.0)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL whatever is left after ``grace_s``, reap the leader."""
+        if not self._signal(signal.SIGTERM):
+            self.popen.poll()
+            return
+        deadline = time.monotonic() + grace_s
+        while self._signal(0):
+            self.popen.poll()  # a zombie leader still counts as a group member until reaped
+            if time.monotonic() > deadline:
+                self._signal(signal.SIGKILL)
+                break
+            time.sleep(0.2)
+        self.popen.wait(timeout=30)
+
+    def _signal(self, sig: int) -> bool:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
