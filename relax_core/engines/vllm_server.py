@@ -12,7 +12,8 @@ dependencies) and two dependency-free modules of this package, nothing else of R
 - ``GET /health``, ``GET /get_model_info``, ``POST /flush_cache``.
 - weights: ``/init_weights_update_group`` + ``/update_weights_from_distributed`` (a torch.distributed
   broadcast, see ``weight_broadcast``) or ``/update_weights_from_disk``; both call methods of
-  ``vllm_worker_ext.WeightLoaderExtension`` by name in vLLM's workers.
+  ``vllm_worker_ext.WeightLoaderExtension`` by name in vLLM's workers. A version's buckets are loaded
+  together when its last one (``flush_cache``) arrives: vLLM's in-place reload processes whole layers.
 
 Log-probs are those of the temperature-scaled distribution before top-k/top-p (what Relax's trainer
 recomputes): vLLM's ``processed_logprobs`` mode, or ``raw_logprobs`` when the run truncates at temperature
@@ -199,7 +200,13 @@ def create_app(engine: Any, model_path: str):
         try:
             await engine.collective_rpc(
                 "update_weights_from_distributed",
-                kwargs={k: getattr(body, k) for k in ("names", "dtypes", "shapes", "group_name")},
+                kwargs={
+                    "names": body.names,
+                    "dtypes": body.dtypes,
+                    "shapes": body.shapes,
+                    "group_name": body.group_name,
+                    "load": body.flush_cache,
+                },
             )
         except Exception as err:
             return {"success": False, "message": f"{type(err).__name__}: {err}"}

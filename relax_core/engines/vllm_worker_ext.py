@@ -37,17 +37,20 @@ class WeightLoaderExtension:
         )
 
     def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, load: bool
     ) -> None:
-        """Receive one broadcast (from rank 0) per name, in order, then load them all."""
+        """Receive one broadcast (from rank 0) per name, in order; with ``load``, load every tensor received
+        since the last load (a version's buckets go in together: vLLM reloads whole layers)."""
         group = self._relax_weight_groups[group_name]
-        device = self.device if group_name and torch.cuda.is_available() else torch.device("cpu")
-        weights = []
+        device = self.device if torch.cuda.is_available() else torch.device("cpu")
+        pending = self.__dict__.setdefault("_relax_pending_weights", [])
         for name, dtype, shape in zip(names, dtypes, shapes):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             group.broadcast(tensor, 0).wait()
-            weights.append((name, tensor))
-        self.model_runner.model.load_weights(weights=weights)
+            pending.append((name, tensor))
+        if load:
+            self._reload(pending)
+            pending.clear()
 
     def load_weights_from_folder(self, path: str) -> None:
         """The disk fallback: every ``*.safetensors`` file of an HF folder."""
@@ -56,8 +59,12 @@ class WeightLoaderExtension:
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
-        for f in files:
-            self.model_runner.model.load_weights(weights=list(load_file(str(f)).items()))
+        self._reload([item for f in files for item in load_file(str(f)).items()])
+
+    def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's in-place reload from HF-format tensors: it re-runs the per-layer processing (e.g. the CPU
+        backend's repacking) that a bare ``model.load_weights`` after startup would miss."""
+        self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
     def close_weights_update_group(self, group_name: str) -> None:
         self.__dict__.get("_relax_weight_groups", {}).pop(group_name, None)
