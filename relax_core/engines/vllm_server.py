@@ -124,15 +124,15 @@ def create_app(engine: Any, model_path: str):
         request_id = f"{rid}-{uuid.uuid4().hex[:8]}"  # rids repeat across steps; vLLM's ids must not
         in_flight.setdefault(rid, set()).add(request_id)
         version = state["weight_version"]
-        last = None
+        completions: dict[int, Any] = {}  # sample index -> its latest (cumulative) state
         try:
             async for out in engine.generate({"prompt_token_ids": body.input_ids}, params, request_id):
-                last = out
+                # with n > 1 an output may carry only the samples that progressed
+                completions.update((c.index, c) for c in out.outputs)
         finally:
             in_flight[rid].discard(request_id)
             if not in_flight[rid]:
                 del in_flight[rid]
-        completions = {c.index: c for c in (last.outputs if last is not None else [])}
         items = []
         for i in range(s.n):
             c = completions.get(i)
