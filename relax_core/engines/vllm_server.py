@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import os
 import signal
-import threading
 import time
 import uuid
 from typing import Any
@@ -216,16 +215,30 @@ def create_app(engine: Any, model_path: str):
     return app
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Take the whole process group (vLLM's engine-core children included) down once the process that
-    started this server is gone, e.g. a Rollout actor killed by Ray: no orphan engines."""
+def _guard_process_group(owner_pid: int) -> None:
+    """Fork a watchdog that SIGKILLs this server's process group (vLLM's engine-core children included) once
+    the process that started the server (a Rollout actor) or the server itself is gone: no orphan engines.
 
-    def watch() -> None:
-        while os.getppid() == parent_pid:
+    A process of its own, because a Ray worker that exits kills its direct children (this server) by PID,
+    which would leave vLLM's engine core running if the watch lived in the server.
+    """
+    server_pid = os.getpid()
+    if os.fork() != 0:
+        return
+    try:
+        while os.getppid() == server_pid and _alive(owner_pid):  # orphaned the moment the server dies
             time.sleep(1.0)
         os.killpg(os.getpgid(0), signal.SIGKILL)
+    finally:
+        os._exit(0)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def main() -> None:
@@ -242,7 +255,7 @@ def main() -> None:
     parser.add_argument("--parent-pid", type=int, default=None)
     args = parser.parse_args()
     if args.parent_pid:
-        _exit_with_parent(args.parent_pid)
+        _guard_process_group(args.parent_pid)
 
     import uvicorn
     from vllm.engine.arg_utils import AsyncEngineArgs

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -195,3 +196,47 @@ def test_killed_server_is_unhealthy_and_shutdown_leaves_no_process(engine, token
     engine.shutdown()
     with pytest.raises(ProcessLookupError):  # vLLM's engine-core children went with it
         os.killpg(engine.server.pid, 0)
+
+
+SERVER_LIKE = """
+import os, subprocess, sys, time
+from relax_core.engines.vllm_server import _guard_process_group
+_guard_process_group(int(sys.argv[1]))
+subprocess.Popen(["sleep", "300"])  # stands in for vLLM's engine core, a child in the server's group
+time.sleep(300)
+"""
+OWNER = """
+import os, subprocess, sys, time
+server = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid())], start_new_session=True)
+print(server.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_server_group_dies_with_the_process_that_started_it() -> None:
+    """A Rollout actor SIGKILLed (or its direct child, the server): the watchdog takes the whole group down."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, SERVER_LIKE], stdout=subprocess.PIPE, text=True)
+    server_pid = int(owner.stdout.readline())
+    deadline = time.monotonic() + 30
+    while len(_group_members(server_pid)) < 3 and time.monotonic() < deadline:  # server, watchdog, child
+        time.sleep(0.1)
+    assert len(_group_members(server_pid)) == 3
+    owner.kill()
+    owner.wait()
+    while _group_members(server_pid) and time.monotonic() < deadline + 30:
+        time.sleep(0.1)
+    assert _group_members(server_pid) == []
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":  # zombies are dead already
+                members.append(int(entry.name))
+    return members
