@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 class ServerProcess:
@@ -36,21 +37,33 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL whatever is left after ``grace_s``, reap the leader."""
-        if not self._signal(signal.SIGTERM):
-            self.popen.poll()
-            return
+        self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while self._signal(0):
-            self.popen.poll()  # a zombie leader still counts as a group member until reaped
+        while group_members(self.popen.pid):
+            self.popen.poll()
             if time.monotonic() > deadline:
                 self._signal(signal.SIGKILL)
                 break
             time.sleep(0.2)
         self.popen.wait(timeout=30)
 
-    def _signal(self, sig: int) -> bool:
+    def _signal(self, sig: int) -> None:
         try:
             os.killpg(self.popen.pid, sig)
         except ProcessLookupError:
-            return False
-        return True
+            pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
