@@ -16,7 +16,7 @@ every RL step) and timed ``--repeats`` times; the fastest run counts, which filt
 a shared machine. vLLM runs as ``rollout=vllm`` does: a server process in its own venv behind the HTTP
 client (its numbers include the HTTP hop). ``--weight-updates N`` times N weight pushes per engine and
 strategy (torch: in-process ``load_state_dict``; vllm: ``distributed`` gloo broadcast and ``disk``), one
-``weight_update_s`` line each.
+``weight_update_s`` line each (vLLM's on the server its throughput was measured on).
 Run: ``python benchmarks/rollout_throughput.py [--sizes tiny,25m] [--measure-roof] [--weight-updates 3]``.
 """
 
@@ -33,6 +33,7 @@ import torch
 
 from relax_core.config import TinyModelSpec
 from relax_core.engines.base import GenerationRequest, SamplingParams
+from relax_core.engines.client import WEIGHT_TRANSFERS
 from relax_core.engines.torch_engine import TorchEngine
 from relax_core.engines.vllm import VLLMEngine, vllm_unavailable_reason
 from relax_models.loader import load_causal_lm, load_tokenizer
@@ -112,10 +113,19 @@ def run_hf(model, tokenizer, prompts, n, new_tokens, repeats: int) -> float:
     return best
 
 
-def run_vllm(path: str, prompts, n, new_tokens, dtype: str, threads: int, repeats: int) -> tuple[float, int]:
+def run_vllm(
+    path: str, prompts, n, new_tokens, dtype: str, threads: int, repeats: int, versions: int
+) -> tuple[float, int, dict[str, list[float]]]:
+    """Throughput of one vLLM server, then ``versions`` timed weight pushes per transfer strategy."""
     engine = VLLMEngine(path, seed=0, dtype=dtype, memory_fraction=0.1, num_threads=threads)
     try:
-        return run_engine(engine, prompts, n, new_tokens, repeats)
+        seconds, tokens = run_engine(engine, prompts, n, new_tokens, repeats)
+        state = load_causal_lm(path).state_dict()
+        updates = {}
+        for strategy in WEIGHT_TRANSFERS if versions else ():
+            engine.weight_transfer = strategy
+            updates[strategy] = time_weight_updates(engine, state, versions)
+        return seconds, tokens, updates
     finally:
         engine.shutdown()
 
@@ -144,31 +154,14 @@ def time_weight_updates(engine, state: dict[str, torch.Tensor], versions: int) -
     return seconds
 
 
-def weight_update_lines(size: str, path: str, versions: int, threads: int) -> list[dict]:
-    """``weight_update_s`` per version of the torch engine and of vLLM by each transfer strategy."""
-    state = load_causal_lm(path).state_dict()
-    tokenizer = load_tokenizer(path)
-    torch_engine = TorchEngine(load_causal_lm(path), tokenizer.pad_token_id, [], tokenizer=tokenizer)
-    timings = [("relax-torch", "in-process", time_weight_updates(torch_engine, state, versions))]
-    if vllm_unavailable_reason() is None:
-        engine = VLLMEngine(path, seed=0, dtype="float32", memory_fraction=0.1, num_threads=threads)
-        try:
-            for strategy in ("distributed", "disk"):
-                engine.weight_transfer = strategy
-                timings.append(("vllm-cpu", strategy, time_weight_updates(engine, state, versions)))
-        finally:
-            engine.shutdown()
-    params = sum(t.numel() for t in state.values())
-    return [
-        {
-            "model": size,
-            "params": params,
-            "engine": e,
-            "strategy": s,
-            "weight_update_s": [round(x, 4) for x in t],
-        }
-        for e, s, t in timings
-    ]
+def weight_update_line(size: str, params: int, engine: str, strategy: str, seconds: list[float]) -> dict:
+    return {
+        "model": size,
+        "params": params,
+        "engine": engine,
+        "strategy": strategy,
+        "weight_update_s": [round(x, 4) for x in seconds],
+    }
 
 
 def main() -> None:
@@ -207,6 +200,7 @@ def main() -> None:
         runs += [("vllm-cpu", "bfloat16" if bf16 else "float32")] if vllm_unavailable_reason() is None else []
         hf_rate = None
         results = []
+        update_lines: list[dict] = []
         for engine, dtype in runs:
             if engine == "relax-torch":
                 half = torch.bfloat16 if dtype == "bfloat16" else None
@@ -225,9 +219,17 @@ def main() -> None:
                 )
                 tokens = budget
             else:
-                seconds, tokens = run_vllm(
-                    path, prompts, args.samples, args.new_tokens, dtype, args.threads, args.repeats
+                seconds, tokens, updates = run_vllm(
+                    path,
+                    prompts,
+                    args.samples,
+                    args.new_tokens,
+                    dtype,
+                    args.threads,
+                    args.repeats,
+                    args.weight_updates,
                 )
+                update_lines += [weight_update_line(size, params, engine, k, v) for k, v in updates.items()]
             rate = tokens / seconds
             if engine == "hf-generate":
                 hf_rate = rate
@@ -250,9 +252,12 @@ def main() -> None:
         if hf_rate:  # one summary line per model: speed-ups over HF generate()
             speedups = {f"{r['engine']}/{r['dtype']}": round(r["tokens_per_s"] / hf_rate, 2) for r in results}
             print(json.dumps({"model": size, "speedup_vs_hf": speedups}), flush=True)
-        for line in (
-            weight_update_lines(size, path, args.weight_updates, args.threads) if args.weight_updates else []
-        ):
+        if args.weight_updates:  # the torch engine's in-process swap, next to vLLM's pushes
+            state = load_causal_lm(path).state_dict()
+            torch_engine = TorchEngine(load_causal_lm(path), tokenizer.pad_token_id, [], tokenizer=tokenizer)
+            seconds = time_weight_updates(torch_engine, state, args.weight_updates)
+            update_lines.insert(0, weight_update_line(size, params, "relax-torch", "in-process", seconds))
+        for line in update_lines:
             print(json.dumps(line), flush=True)
 
 

@@ -36,16 +36,22 @@ class ServerProcess:
             time.sleep(1.0)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the process group, SIGKILL whatever is left after ``grace_s``, reap the leader."""
+        """SIGTERM the process group, SIGKILL whatever is left after ``grace_s``; return once every member has
+        exited (a killed process on a loaded machine can take seconds to go) and the leader is reaped."""
         self._signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while group_members(self.popen.pid):
-            self.popen.poll()
-            if time.monotonic() > deadline:
-                self._signal(signal.SIGKILL)
-                break
-            time.sleep(0.2)
+        if not self._wait_gone(grace_s):
+            self._signal(signal.SIGKILL)
+            self._wait_gone(60.0)
         self.popen.wait(timeout=30)
+
+    def _wait_gone(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while group_members(self.popen.pid):
+            self.popen.poll()  # reap the leader: a zombie is not a member
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
 
     def _signal(self, sig: int) -> None:
         try:
