@@ -14,7 +14,8 @@ from pathlib import Path
 class ServerProcess:
     def __init__(self, command: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> None:
         self.command = command
-        self.popen = subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True)
+        # its log goes to our stderr: stdout stays the caller's (benchmarks print JSON lines there)
+        self.popen = subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True, stdout=2)
 
     @property
     def pid(self) -> int:
