@@ -117,19 +117,16 @@ def create_app(engine: Any, model_path: str):
             stop=s.stop,
             stop_token_ids=s.stop_token_ids,
             logprobs=0,
-            # one output per sample when it finishes (an abort too, with its tokens so far); text only when
-            # stop strings need it
-            output_kind=RequestOutputKind.FINAL_ONLY,
-            detokenize=bool(s.stop),
+            output_kind=RequestOutputKind.CUMULATIVE,
         )
         rid = body.rid or uuid.uuid4().hex
         request_id = f"{rid}-{uuid.uuid4().hex[:8]}"  # rids repeat across steps; vLLM's ids must not
         in_flight.setdefault(rid, set()).add(request_id)
         version = state["weight_version"]
-        completions: dict[int, Any] = {}  # sample index -> its final state
+        completions: dict[int, Any] = {}  # sample index -> its latest (cumulative) state
         try:
             async for out in engine.generate({"prompt_token_ids": body.input_ids}, params, request_id):
-                # with n > 1 an output may carry only some of the samples
+                # with n > 1 an output may carry only the samples that progressed
                 completions.update((c.index, c) for c in out.outputs)
         finally:
             in_flight[rid].discard(request_id)
