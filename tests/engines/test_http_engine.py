@@ -206,11 +206,3 @@ def test_sglang_engine_generates_on_gpu(tiny_model_dir, tokenizer) -> None:
         assert len(results) == 2 and all(len(r.logprobs) == len(r.output_ids) for r in results)
     finally:
         engine.shutdown()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(vllm_unavailable_reason() is not None, reason=str(vllm_unavailable_reason()))
-def test_vllm_engine_generates(tiny_model_dir, tokenizer) -> None:
-    engine = build_engine("vllm", str(tiny_model_dir), tokenizer, ModelConfig(), seed=0)
-    results = engine.generate([GenerationRequest(tokenizer("sort 5:").input_ids)], SamplingParams(4, n=2))
-    assert len(results) == 2 and all(len(r.logprobs) == len(r.output_ids) for r in results)

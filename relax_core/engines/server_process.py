@@ -1,0 +1,76 @@
+"""An engine server subprocess (vLLM, SGLang) in its own process group: started, waited on until healthy,
+and stopped with every child it spawned (vLLM's engine core, SGLang's schedulers): no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+class ServerProcess:
+    def __init__(self, command: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        self.command = command
+        # its log goes to our stderr: stdout stays the caller's (benchmarks print JSON lines there)
+        self.popen = subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True, stdout=2)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait_healthy(self, healthy: Callable[[], bool], what: str, timeout_s: float) -> None:
+        """Poll ``healthy`` until it holds; stop the group and raise when the server exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        while not healthy():
+            if not self.alive() or time.monotonic() > deadline:
+                code = self.popen.poll()
+                self.stop()
+                raise RuntimeError(
+                    f"{what} did not become healthy (exit code {code}): {' '.join(self.command)}"
+                )
+            time.sleep(1.0)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL whatever is left after ``grace_s``; return once every member has
+        exited (a killed process on a loaded machine can take seconds to go) and the leader is reaped."""
+        self._signal(signal.SIGTERM)
+        if not self._wait_gone(grace_s):
+            self._signal(signal.SIGKILL)
+            self._wait_gone(60.0)
+        self.popen.wait(timeout=30)
+
+    def _wait_gone(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while group_members(self.popen.pid):
+            self.popen.poll()  # reap the leader: a zombie is not a member
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members

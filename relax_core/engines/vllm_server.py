@@ -1,0 +1,286 @@
+"""Relax's vLLM engine server: vLLM's ``AsyncLLM`` behind the SGLang-compatible API that
+:class:`relax_core.engines.client.HttpEngine` speaks, so ``rollout=vllm`` is driven like every other server.
+
+It runs in vLLM's own environment (``scripts/install_vllm_cpu.sh``), started by
+:class:`relax_core.engines.vllm.VLLMEngine` as ``python -m relax_core.engines.vllm_server --model PATH
+--port N`` with the repository root on ``PYTHONPATH``; it imports vLLM, FastAPI, uvicorn (vLLM's own
+dependencies) and two dependency-free modules of this package, nothing else of Relax.
+
+- ``POST /generate``: token ids in (``input_ids``), ``n`` samples sharing one prefill, each sampled token
+  with its log-prob (``meta_info.output_token_logprobs``); ``rid`` names it for ``/abort_request``.
+- ``POST /abort_request`` (``rid`` or ``abort_all``), ``/pause_generation``, ``/continue_generation``.
+- ``GET /health``, ``GET /get_model_info``, ``POST /flush_cache``.
+- weights: ``/init_weights_update_group`` + ``/update_weights_from_distributed`` (a torch.distributed
+  broadcast, see ``weight_broadcast``) or ``/update_weights_from_disk``; both call methods of
+  ``vllm_worker_ext.WeightLoaderExtension`` by name in vLLM's workers. A version's buckets are loaded
+  together when its last one (``flush_cache``) arrives: vLLM's in-place reload processes whole layers.
+
+Log-probs are those of the temperature-scaled distribution before top-k/top-p (what Relax's trainer
+recomputes): vLLM's ``processed_logprobs`` mode, or ``raw_logprobs`` when the run truncates at temperature
+1 (``--logprobs-mode``; vLLM's processed log-probs are taken after truncation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel
+
+# the request bodies Relax's own engine server accepts (one SGLang-compatible API for both)
+from relax_core.engines.http_server import AbortBody, GenerateBody, PauseBody
+from relax_core.engines.http_server import UpdateWeightsBody as DiskBody
+
+WORKER_EXTENSION = "relax_core.engines.vllm_worker_ext.WeightLoaderExtension"
+FINISH = {"stop": "stop", "length": "length"}
+
+
+class GroupBody(BaseModel):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "relax-weights"
+    backend: str = "gloo"
+
+
+class DistributedBody(BaseModel):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "relax-weights"
+    flush_cache: bool = True
+    weight_version: str | None = None
+
+
+def _finish_reason(reason: str | None, stop_reason: Any) -> dict[str, Any]:
+    kind = FINISH.get(reason or "", "abort")
+    if kind == "stop":
+        return {"type": "stop", "matched": stop_reason}
+    return {"type": kind}
+
+
+def create_app(engine: Any, model_path: str):
+    """The FastAPI app serving one ``AsyncLLM``."""
+    from fastapi import FastAPI, HTTPException
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    app = FastAPI(title="Relax vLLM engine server")
+    state = {"weight_version": "0"}
+    in_flight: dict[str, set[str]] = {}  # rid -> vLLM request ids
+
+    async def new_weights(version: Any, flush: bool) -> None:
+        if flush:
+            await engine.reset_prefix_cache()
+        if version is not None:
+            state["weight_version"] = str(version)
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> dict[str, str]:
+        try:
+            await engine.check_health()
+        except Exception as err:
+            raise HTTPException(503, f"vLLM engine unhealthy: {err}") from err
+        return {"status": "ok"}
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {
+            "model_path": model_path,
+            "weight_version": state["weight_version"],
+            "is_generation": True,
+            "num_running": sum(len(ids) for ids in in_flight.values()),
+        }
+
+    @app.post("/generate")
+    async def generate(body: GenerateBody) -> Any:
+        if (
+            not body.input_ids
+            or not isinstance(body.input_ids[0], int)
+            or not isinstance(body.rid, str | None)
+        ):
+            raise HTTPException(400, "this server takes one prompt per request as token ids (input_ids)")
+        s = body.sampling_params
+        params = SamplingParams(
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            max_tokens=s.max_new_tokens,
+            stop=s.stop,
+            stop_token_ids=s.stop_token_ids,
+            logprobs=0,
+            output_kind=RequestOutputKind.CUMULATIVE,
+        )
+        rid = body.rid or uuid.uuid4().hex
+        request_id = f"{rid}-{uuid.uuid4().hex[:8]}"  # rids repeat across steps; vLLM's ids must not
+        in_flight.setdefault(rid, set()).add(request_id)
+        version = state["weight_version"]
+        completions: dict[int, Any] = {}  # sample index -> its latest (cumulative) state
+        try:
+            async for out in engine.generate({"prompt_token_ids": body.input_ids}, params, request_id):
+                # with n > 1 an output may carry only the samples that progressed
+                completions.update((c.index, c) for c in out.outputs)
+        finally:
+            in_flight[rid].discard(request_id)
+            if not in_flight[rid]:
+                del in_flight[rid]
+        items = []
+        for i in range(s.n):
+            c = completions.get(i)
+            ids = list(c.token_ids) if c is not None else []
+            steps = (c.logprobs or []) if c is not None else []
+            logprobs = [float(step[tok].logprob) for step, tok in zip(steps, ids)]
+            reason = _finish_reason(c.finish_reason if c is not None else "abort", c and c.stop_reason)
+            items.append(
+                {
+                    "output_ids": ids,
+                    "meta_info": {
+                        "id": rid,
+                        "finish_reason": reason,
+                        "completion_tokens": len(ids),
+                        "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(logprobs, ids)],
+                        "weight_version": version,
+                    },
+                }
+            )
+        return items if s.n > 1 else items[0]
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortBody) -> dict[str, bool]:
+        rids = list(in_flight) if body.abort_all else [body.rid]
+        ids = [i for rid in rids for i in in_flight.get(rid, ())]
+        if ids:
+            await engine.abort(ids)
+        return {"success": True}
+
+    @app.post("/pause_generation")
+    async def pause(body: PauseBody) -> dict[str, bool]:
+        # SGLang's modes: "abort" cuts in-flight requests short, "in_place"/"retract" keep them queued
+        await engine.pause_generation(mode="abort" if body.mode == "abort" else "keep", clear_cache=False)
+        return {"success": True}
+
+    @app.post("/continue_generation")
+    async def resume() -> dict[str, bool]:
+        await engine.resume_generation()
+        return {"success": True}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> dict[str, bool]:
+        await engine.reset_prefix_cache()
+        return {"success": True}
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(body: DiskBody) -> dict[str, Any]:
+        try:
+            await engine.collective_rpc("load_weights_from_folder", args=(body.model_path,))
+        except Exception as err:
+            return {"success": False, "message": f"{type(err).__name__}: {err}"}
+        await new_weights(body.weight_version, body.flush_cache)
+        return {"success": True, "message": "ok"}
+
+    @app.post("/init_weights_update_group")
+    async def init_group(body: GroupBody) -> dict[str, Any]:
+        try:
+            await engine.collective_rpc("init_weights_update_group", kwargs=body.model_dump())
+        except Exception as err:
+            return {"success": False, "message": f"{type(err).__name__}: {err}"}
+        return {"success": True, "message": "ok"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_distributed(body: DistributedBody) -> dict[str, Any]:
+        try:
+            await engine.collective_rpc(
+                "update_weights_from_distributed",
+                kwargs={
+                    "names": body.names,
+                    "dtypes": body.dtypes,
+                    "shapes": body.shapes,
+                    "group_name": body.group_name,
+                    "load": body.flush_cache,
+                },
+            )
+        except Exception as err:
+            return {"success": False, "message": f"{type(err).__name__}: {err}"}
+        await new_weights(body.weight_version, body.flush_cache)
+        return {"success": True, "message": "ok"}
+
+    return app
+
+
+def _guard_process_group(owner_pid: int) -> None:
+    """Fork a watchdog that SIGKILLs this server's process group (vLLM's engine-core children included) once
+    the process that started the server (a Rollout actor) or the server itself is gone: no orphan engines.
+
+    A process of its own, because a Ray worker that exits kills its direct children (this server) by PID,
+    which would leave vLLM's engine core running if the watch lived in the server.
+    """
+    server_pid = os.getpid()
+    if os.fork() != 0:
+        return
+    try:
+        while os.getppid() == server_pid and _alive(owner_pid):  # orphaned the moment the server dies
+            time.sleep(1.0)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--logprobs-mode", default="processed_logprobs")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--parent-pid", type=int, default=None)
+    args = parser.parse_args()
+    if args.parent_pid:
+        _guard_process_group(args.parent_pid)
+
+    import uvicorn
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_args = AsyncEngineArgs(
+        model=args.model,
+        seed=args.seed,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        logprobs_mode=args.logprobs_mode,
+        worker_extension_cls=WORKER_EXTENSION,
+        enforce_eager=args.enforce_eager,
+        enable_log_requests=False,
+    )
+    engine = AsyncLLM.from_engine_args(engine_args)
+    config = uvicorn.Config(
+        create_app(engine, args.model), host=args.host, port=args.port, log_level="warning"
+    )
+    try:
+        asyncio.run(uvicorn.Server(config).serve())
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

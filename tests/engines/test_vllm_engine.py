@@ -1,0 +1,228 @@
+"""``rollout.engine=vllm`` for real: Relax's vLLM server (vllm-cpu in its own venv, started by
+:class:`VLLMEngine`) against HF greedy decoding, the trainer's log-prob recomputation, weight pushes over a
+gloo group and from disk, abort / pause / resume, and a SIGKILLed server.
+
+One server per module (vLLM starts in ~25 s); the SIGKILL test comes last and takes it down.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from relax_core.algorithms.logprobs import token_logprobs_and_entropy
+from relax_core.config import ModelConfig, RolloutConfig
+from relax_core.engines import build_engine
+from relax_core.engines.base import GenerationRequest, SamplingParams
+from relax_core.engines.server_process import group_members
+from relax_core.engines.vllm import VLLMEngine, logprobs_mode, vllm_python, vllm_unavailable_reason
+from relax_core.errors import RelaxUserError
+from relax_core.samples import Sample, TrainBatch
+from relax_models.loader import load_causal_lm
+
+REASON = vllm_unavailable_reason()
+# CI installs vLLM (tests/run.sh): there a missing install is a failure, not a skip
+needs_vllm = pytest.mark.skipif(
+    REASON is not None and not os.environ.get("RELAX_REQUIRE_VLLM"), reason=str(REASON)
+)
+PROMPTS = ["sort 31524:", "sort 9:", "hello there, sort 8080:", "x"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path):
+    engine = VLLMEngine(str(tiny_model_dir), seed=0, dtype="float32", memory_fraction=0.06)
+    yield engine
+    engine.shutdown()
+
+
+def requests(tokenizer, prompts=PROMPTS) -> list[GenerationRequest]:
+    return [GenerationRequest(tokenizer(p).input_ids, f"r{i}") for i, p in enumerate(prompts)]
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], steps: int, eos: int) -> list[int]:
+    """HF ``generate`` argmax decoding, EOS included as the engines report it."""
+    out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=steps, eos_token_id=eos)
+    new = out[0, len(ids) :].tolist()
+    return new[: new.index(eos) + 1] if eos in new else new
+
+
+def perturbed_state(model, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    return model.state_dict()
+
+
+def test_missing_vllm_is_one_clear_error(tmp_path: Path, tokenizer, tiny_model_dir: Path) -> None:
+    missing = RolloutConfig(vllm_python=str(tmp_path / "nope" / "python"))
+    with pytest.raises(RelaxUserError, match="no Python at .*install_vllm_cpu.sh"):
+        build_engine("vllm", str(tiny_model_dir), tokenizer, ModelConfig(), 0, rollout_cfg=missing)
+    if importlib.util.find_spec("vllm") is None:  # the project's own venv never has it on CPU
+        with pytest.raises(RelaxUserError, match="has no vllm"):
+            vllm_python(sys.executable)
+
+
+def test_logprobs_mode_follows_truncation() -> None:
+    assert logprobs_mode(0.7, 1.0, -1) == "processed_logprobs"
+    assert logprobs_mode(1.0, 0.9, 20) == "raw_logprobs"
+
+
+@needs_vllm
+def test_greedy_equals_hf_before_and_after_weight_pushes(engine, tiny_model_dir: Path, tokenizer) -> None:
+    """After each push (gloo broadcast, then disk), greedy outputs equal HF greedy decoding of the same weights."""
+    reqs = requests(tokenizer)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    model = load_causal_lm(str(tiny_model_dir)).eval()
+    eos = tokenizer.eos_token_id
+    before = engine.generate(reqs, greedy)
+    assert [r.output_ids for r in before] == [hf_greedy(model, r.input_ids, 12, eos) for r in reqs]
+    assert {r.weight_version for r in before} == {0}
+    for version, transfer in ((1, "distributed"), (2, "disk"), (3, "distributed")):
+        engine.weight_transfer = transfer
+        engine.update_weights(perturbed_state(model, seed=version), version)
+        after = engine.generate(reqs, greedy)
+        assert [r.output_ids for r in after] == [hf_greedy(model, r.input_ids, 12, eos) for r in reqs]
+        assert {r.weight_version for r in after} == {version}
+    assert [r.output_ids for r in after] != [r.output_ids for r in before]  # the pushes really landed
+    # the disk fallback keeps one version folder at most
+    assert engine._tmp is not None and len(list(Path(engine._tmp.name).iterdir())) <= 1
+
+
+@needs_vllm
+def test_logprobs_match_trainer_recomputation(engine, tokenizer, tiny_model_dir: Path) -> None:
+    """n samples per prompt; each sampled token's log-prob is log softmax(z/T) as training recomputes it."""
+    model = load_causal_lm(str(tiny_model_dir)).eval()
+    engine.update_weights(model.state_dict(), 10)
+    reqs = requests(tokenizer)
+    results = engine.generate(reqs, SamplingParams(max_new_tokens=12, temperature=0.7, n=3))
+    assert len(results) == len(reqs) * 3
+    assert all(len(r.logprobs) == len(r.output_ids) > 0 for r in results)
+    samples = [
+        Sample(i // 3, i % 3, reqs[i // 3].input_ids, r.output_ids, r.logprobs, [1] * len(r.output_ids))
+        for i, r in enumerate(results)
+    ]
+    batch = TrainBatch.from_samples(samples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    expected, _ = token_logprobs_and_entropy(logits, batch, temperature=0.7)
+    torch.testing.assert_close(batch.rollout_logprobs, expected, atol=1e-4, rtol=0)
+    assert len({tuple(r.output_ids) for r in results[:3]}) > 1  # the n samples are independent draws
+
+
+@needs_vllm
+def test_top_k_stop_token_and_stop_string(engine, tokenizer) -> None:
+    reqs = requests(tokenizer)
+    greedy = engine.generate(reqs, SamplingParams(max_new_tokens=12, temperature=0.0))
+    # top-k = 1 at temperature 1 can only draw the argmax
+    top1 = engine.generate(reqs, SamplingParams(max_new_tokens=12, temperature=1.0, top_k=1, n=2))
+    assert [r.output_ids for r in top1] == [r.output_ids for r in greedy for _ in range(2)]
+    long = max(greedy, key=lambda r: len(r.output_ids))
+    request = reqs[greedy.index(long)]
+    stop_id = long.output_ids[3]
+    (cut,) = engine.generate([request], SamplingParams(12, temperature=0.0, stop_token_ids=[stop_id]))
+    assert cut.finish_reason == "stop" and cut.output_ids[-1] == stop_id
+    assert cut.output_ids == long.output_ids[: long.output_ids.index(stop_id) + 1]
+    text = tokenizer.decode(long.output_ids[2:4])
+    (by_text,) = engine.generate([request], SamplingParams(12, temperature=0.0, stop_strings=[text]))
+    assert by_text.finish_reason == "stop" and len(by_text.output_ids) <= 4
+
+
+def _in_flight(engine) -> int:
+    return engine.http.get("/get_model_info").json()["num_running"]
+
+
+@needs_vllm
+def test_pause_abort_by_rid_and_resume(engine, tokenizer) -> None:
+    """While paused, queued requests wait; aborting one by rid answers it, resume finishes the other."""
+    engine.pause()
+    reqs = requests(tokenizer)[:2]
+    out: list = []
+    worker = threading.Thread(target=lambda: out.extend(engine.generate(reqs, SamplingParams(8, n=2))))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while _in_flight(engine) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engine.abort(["r0"])
+    engine.resume()
+    worker.join(timeout=120)
+    assert [r.request_id for r in out] == ["r0", "r0", "r1", "r1"]
+    assert {r.finish_reason for r in out[:2]} == {"abort"}
+    assert all(r.finish_reason in ("stop", "length") and r.output_ids for r in out[2:])
+
+
+@needs_vllm
+def test_abort_all_returns_partial_results(engine, tokenizer) -> None:
+    """Abort during decoding: rows come back 'abort' with the tokens generated so far and their log-probs."""
+    reqs = requests(tokenizer)
+    out: list = []
+    sampling = SamplingParams(max_new_tokens=200, n=8)
+    worker = threading.Thread(target=lambda: out.extend(engine.generate(reqs, sampling)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while _in_flight(engine) < len(reqs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.pause()  # keep in-flight rows where they are, so the abort finds them mid-decode
+    engine.abort()
+    engine.resume()
+    worker.join(timeout=120)
+    assert len(out) == len(reqs) * 8
+    aborted = [r for r in out if r.finish_reason == "abort"]
+    assert aborted and all(len(r.logprobs) == len(r.output_ids) < 200 for r in aborted)
+    assert all(r.finish_reason in ("abort", "stop") for r in out)  # none ran to its budget
+
+
+@needs_vllm
+def test_killed_server_is_unhealthy_and_shutdown_leaves_no_process(engine, tokenizer) -> None:
+    """Runs last: SIGKILL the server process; health turns false; shutdown reaps its whole group."""
+    assert engine.health()
+    os.kill(engine.server.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while engine.health() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not engine.health()
+    with pytest.raises(httpx.HTTPError):
+        engine.generate(requests(tokenizer)[:1], SamplingParams(4))
+    engine.shutdown()
+    assert group_members(engine.server.pid) == []  # vLLM's engine-core children went with it
+
+
+SERVER_LIKE = """
+import os, subprocess, sys, time
+from relax_core.engines.vllm_server import _guard_process_group
+_guard_process_group(int(sys.argv[1]))
+subprocess.Popen(["sleep", "300"])  # stands in for vLLM's engine core, a child in the server's group
+time.sleep(300)
+"""
+OWNER = """
+import os, subprocess, sys, time
+server = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid())], start_new_session=True)
+print(server.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_server_group_dies_with_the_process_that_started_it() -> None:
+    """A Rollout actor SIGKILLed (or its direct child, the server): the watchdog takes the whole group down."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, SERVER_LIKE], stdout=subprocess.PIPE, text=True)
+    server_pid = int(owner.stdout.readline())
+    deadline = time.monotonic() + 30
+    while len(group_members(server_pid)) < 3 and time.monotonic() < deadline:  # server, watchdog, child
+        time.sleep(0.1)
+    assert len(group_members(server_pid)) == 3
+    owner.kill()
+    owner.wait()
+    while group_members(server_pid) and time.monotonic() < deadline + 30:
+        time.sleep(0.1)
+    assert group_members(server_pid) == []
