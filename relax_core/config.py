@@ -350,7 +350,7 @@ class RolloutConfig:
     memory_fraction: float = 0.5
     # vllm / sglang: how update_weights reaches the server: "distributed" (in memory, a torch.distributed
     # broadcast) or "disk" (a safetensors folder per version, the previous one deleted)
-    weight_transfer: str = "distributed"
+    server_weight_update: str = "distributed"
 
 
 @dataclass

@@ -4,7 +4,7 @@ The server is SGLang's own ``python -m sglang.launch_server`` with the run's see
 size and memory fraction; generation, pause/resume/abort and weight updates go through
 :class:`relax_core.engines.client.HttpEngine`, the client our torch engine's server and Relax's vLLM server
 are tested with. Weights move in memory (SGLang's ``/init_weights_update_group`` +
-``/update_weights_from_distributed``) unless ``rollout.weight_transfer=disk``. The engine serves the base
+``/update_weights_from_distributed``) unless ``rollout.server_weight_update=disk``. The engine serves the base
 model's weights (SGLang's version ``"default"``, read as 0) until the first update.
 """
 
@@ -70,7 +70,7 @@ class SGLangEngine(HttpEngine):
             raise RelaxUserError(f"rollout.engine=sglang cannot start: {reason}")
         if weight_transfer not in WEIGHT_TRANSFERS:
             raise RelaxUserError(
-                f"rollout.weight_transfer={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}"
+                f"rollout.server_weight_update={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}"
             )
         port = free_port()
         self.server = ServerProcess(
@@ -102,7 +102,7 @@ class SGLangEngine(HttpEngine):
             dtype=str(engine_dtype(r.dtype)).removeprefix("torch."),
             tensor_parallel_size=r.tensor_parallel_size,
             memory_fraction=r.memory_fraction,
-            weight_transfer=r.weight_transfer,
+            weight_transfer=r.server_weight_update,
         )
 
     def health(self) -> bool:

