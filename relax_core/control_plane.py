@@ -62,12 +62,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_security(host: str, token: str | None) -> None:
-    """Refuse to expose the control plane beyond this machine without a token."""
+def check_security(
+    host: str, token: str | None, host_key: str = "control_plane.host", token_key: str = "control_plane.token"
+) -> None:
+    """Refuse to expose an HTTP surface beyond this machine without a token."""
     if not is_loopback(host) and not token:
-        raise RelaxUserError(
-            f"control_plane.host={host!r} is reachable from other machines: set control_plane.token"
-        )
+        raise RelaxUserError(f"{host_key}={host!r} is reachable from other machines: set {token_key}")
+
+
+def bearer_auth(token: str | None) -> Callable[[Request], None]:
+    """A FastAPI dependency: with a ``token``, every request must carry ``Authorization: Bearer <token>``."""
+
+    def auth(request: Request) -> None:
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given, f"Bearer {token}"):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    return auth
 
 
 def _valid_url(url: str) -> bool:
@@ -82,14 +95,7 @@ def create_app(
     """The control-plane app over the pool ``pool()`` returns (a call, so a global restart's new pool is
     used; None: scaling endpoints answer 400, e.g. in mode=async)."""
 
-    def auth(request: Request) -> None:
-        if token is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given, f"Bearer {token}"):
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-
-    app = FastAPI(title="Relax control plane", dependencies=[Depends(auth)])
+    app = FastAPI(title="Relax control plane", dependencies=[Depends(bearer_auth(token))])
 
     @app.exception_handler(ScaleError)
     async def scale_error(_: Request, err: ScaleError) -> JSONResponse:

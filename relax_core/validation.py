@@ -23,6 +23,13 @@ def validate(cfg) -> None:
     _check_choice("trainer.lr_decay", t.lr_decay, ["constant", "cosine"])
     if cfg.reward._target_ is None:
         _check_choice("reward.name", cfg.reward.name, relax_rewards.available())
+    if r.agent is None and r.env is None:  # agent programs and environments score episodes themselves
+        from relax_rewards.preflight import check_reward_config
+
+        try:
+            check_reward_config(cfg.reward, d.label_key, d.train_path)
+        except ValueError as err:
+            raise RelaxUserError(str(err)) from None
     if t.backend == "megatron":  # first: "this backend cannot train that family" beats "no weights"
         from relax_models.megatron.launch import check_megatron_launch
 

@@ -59,12 +59,16 @@ class HttpEngine(RolloutEngine):
         base_model_path: str | None = None,
         max_concurrency: int = 64,
         token: str | None = None,
+        weights_dir: str | None = None,
     ) -> None:
+        """``weights_dir``: where :meth:`update_weights` writes the folders the server loads (one of the
+        server's ``--weights-dir`` folders); default a new temporary folder."""
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
         self.base_model_path = base_model_path
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="http-engine")
+        self.weights_dir = weights_dir
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -118,9 +122,10 @@ class HttpEngine(RolloutEngine):
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Write the weights to a local folder and point the server at it (server shares the filesystem)."""
-        if self._tmp is None:
+        if self.weights_dir is None and self._tmp is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="relax-weights-")
-        folder = save_weights_folder(state_dict, self.base_model_path, Path(self._tmp.name) / f"v{version}")
+        root = Path(self.weights_dir or self._tmp.name)  # type: ignore[union-attr]
+        folder = save_weights_folder(state_dict, self.base_model_path, root / f"v{version}")
         self.update_weights_from_disk(str(folder), version)
 
     def pause(self) -> None:

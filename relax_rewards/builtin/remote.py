@@ -39,7 +39,7 @@ def _parse_reply(body: Any, url: str) -> float | dict[str, float]:
     return numeric
 
 
-@register("remote", key="reward")
+@register("remote", key="reward", needs_one_of=("url",))
 def remote_reward(
     response: str,
     label: Any,
