@@ -169,9 +169,12 @@ def load_checked_weights(engine: Any, folder: Path) -> dict[str, Any]:
     return state
 
 
-def inside(path: Path, folders: list[Path]) -> bool:
-    """Whether ``path`` (symlinks resolved) lies in one of ``folders``."""
-    real = path.resolve()
+def inside(path: str, folders: list[Path]) -> bool:
+    """Whether ``path`` (symlinks resolved) lies in one of ``folders``; False for a path the OS refuses."""
+    try:
+        real = Path(path).resolve()
+    except (OSError, ValueError):  # e.g. an embedded NUL byte
+        return False
     return any(real.is_relative_to(f.resolve()) for f in folders)
 
 
@@ -258,7 +261,8 @@ def create_app(
             "num_running": engine.num_running() if hasattr(engine, "num_running") else 0,
         }
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    @app.post("/flush_cache", operation_id="flush_cache_post")
     def flush_cache() -> dict[str, Any]:
         if hasattr(engine, "flush_cache"):
             engine.flush_cache()
@@ -267,15 +271,14 @@ def create_app(
     @app.post("/update_weights_from_disk")
     def update_weights_from_disk(body: UpdateWeightsBody) -> dict[str, Any]:
         version = body.weight_version if body.weight_version is not None else engine.weight_version + 1
-        folder = Path(body.model_path)
-        if not inside(folder, allowed):
+        if not inside(body.model_path, allowed):
             raise HTTPException(
                 403,
                 f"{body.model_path} is outside the folders weights load from ({', '.join(map(str, allowed))})",
             )
         try:
             if hasattr(engine, "model"):
-                engine.update_weights(load_checked_weights(engine, folder), version)
+                engine.update_weights(load_checked_weights(engine, Path(body.model_path)), version)
             else:
                 engine.update_weights_from_disk(body.model_path, version)
         except (ValueError, OSError, RuntimeError) as exc:

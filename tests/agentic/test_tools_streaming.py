@@ -15,7 +15,7 @@ from relax_core.agentic.server import AgentServer, TrajectoryStore, build_app
 from relax_core.agentic.tools import assistant_text, parse_tool_calls
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 
-CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "7+5"}}</tool_call>'
+CALL = '<tool_call>{"name":"calc","arguments":{"expr":"7+5"}}</tool_call>'
 TOOLS = [
     {
         "type": "function",
