@@ -433,9 +433,10 @@ def build_app(
     max_context_len: int | None = None,
     board: EpisodeBoard | None = None,
 ):
-    """The FastAPI app. With a ``board`` (a training run) the run's ``sampling`` always applies: a request's
-    temperature/top_p are ignored so the recorded log-probs are the ones training expects, and its
-    max_tokens can only lower ``sampling.max_new_tokens``."""
+    """The FastAPI app. A request's max_tokens can only lower ``sampling.max_new_tokens`` (the server's
+    budget bounds what one call may cost). With a ``board`` (a training run) the run's ``sampling`` always
+    applies: a request's temperature/top_p are ignored so the recorded log-probs are the ones training
+    expects."""
     from fastapi import FastAPI, Header, HTTPException
     from fastapi.responses import StreamingResponse
 
@@ -445,12 +446,12 @@ def build_app(
 
     def session_sampling(req: ChatRequest, traj: Trajectory) -> SamplingParams:
         asked = req.max_completion_tokens or req.max_tokens
+        budget = min(asked or sampling.max_new_tokens, sampling.max_new_tokens)
         if board is not None:
             temperature = 0.0 if traj.greedy else sampling.temperature
-            budget = min(asked or sampling.max_new_tokens, sampling.max_new_tokens)
             return dataclasses.replace(sampling, max_new_tokens=budget, temperature=temperature, n=1)
         return SamplingParams(
-            max_new_tokens=asked or sampling.max_new_tokens,
+            max_new_tokens=budget,
             temperature=sampling.temperature if req.temperature is None else req.temperature,
             top_p=sampling.top_p if req.top_p is None else req.top_p,
             top_k=sampling.top_k,

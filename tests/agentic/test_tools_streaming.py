@@ -22,7 +22,11 @@ TOOLS = [
         "function": {
             "name": "calc",
             "description": "Evaluate an integer expression.",
-            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"expr": {"type": "string"}},
+                "required": ["expr"],
+            },
         },
     }
 ]
@@ -79,7 +83,10 @@ def test_function_calling_with_the_openai_sdk_records_masked_turns(serve, tokeni
     (call,) = choice.message.tool_calls
     assert call.function.name == "calc" and json.loads(call.function.arguments) == {"expr": "7+5"}
     # the program sends the SDK's message object back, then the tool's result
-    messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "12"}]
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "12"},
+    ]
     second = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, user="s1")
     assert second.choices[0].message.content == "12" and second.choices[0].finish_reason == "stop"
     assert not second.choices[0].message.tool_calls

@@ -24,7 +24,9 @@ from relax_core.engines.http_server import create_app as engine_app
 CASES_PER_MODE = 25
 
 
-def fuzz(url: str, modes=("positive", "negative"), skip: tuple[str, ...] = (), after=None) -> tuple[int, list]:
+def fuzz(
+    url: str, modes=("positive", "negative"), skip: tuple[str, ...] = (), after=None
+) -> tuple[int, list]:
     """Run the generated cases of every operation of ``url``'s schema; (cases run, bad answers)."""
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     count, bad = 0, []
@@ -112,3 +114,64 @@ def test_control_plane_answers_every_generated_request(counts):
         assert httpx.get(f"{server.url}/health").json()["step"] == 1
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_training_run_keeps_training_while_its_endpoints_are_fuzzed(tmp_path, counts):
+    """A real run (agent program, control plane on): malformed requests to its control plane and agent
+    endpoint get 4xx while it trains, and it finishes every step. Only malformed bodies are sent: valid
+    ones would really scale the run or take its episodes."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    steps = 6
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "relax_launch",
+            f"hydra.run.dir={tmp_path}",
+            "logger=jsonl",
+            "experiment=agent_program_calc",
+            f"rollout.agent.command=[{sys.executable},{root / 'examples' / 'agents' / 'calc_agent.py'}]",
+            "control_plane.enabled=true",
+            f"trainer.total_steps={steps}",
+            "trainer.sft_warmup_steps=0",
+            "trainer.eval_every=0",
+            "rollout.batch_size=4",
+            "rollout.n_samples_per_prompt=4",
+            "rollout.agent.num_workers=4",
+            "data.num_eval=4",
+        ],
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "job.log", "w"),  # noqa: SIM115
+    )
+    try:
+        files = [tmp_path / "control_plane.json", tmp_path / "agent_logs" / "endpoint.json"]
+        deadline = time.monotonic() + 600
+        while not all(f.is_file() for f in files):
+            assert job.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run's endpoints did not come up"
+            time.sleep(0.5)
+        control, agent = (json.loads(f.read_text())["url"] for f in files)
+        for name, url, skip in [
+            ("live control plane", control, ()),
+            ("live agent endpoint", agent, ("/v1/episodes/next",)),
+        ]:
+            count, bad = fuzz(url, modes=("negative",), skip=skip)
+            counts[name] = count
+            assert not bad, bad[:5]
+        assert job.wait(timeout=900) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        job.kill()
+        job.wait()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert summary["status"] == "finished"
+    assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, steps + 1))

@@ -44,9 +44,14 @@ def test_rewards_that_need_a_url_name_the_key(http_server) -> None:
 def test_rewards_that_score_against_a_label_need_the_column(tmp_path: Path) -> None:
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n")
-    with pytest.raises(ValueError, match=r"reward=math scores against a reference answer: set data.label_key"):
+    with pytest.raises(
+        ValueError, match=r"reward=math scores against a reference answer: set data.label_key"
+    ):
         check_reward_config(RewardConfig(name="math"), None)
-    with pytest.raises(ValueError, match=r"data.label_key='label', which .*rows.jsonl does not have \(its columns: answer, prompt\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.label_key='label', which .*rows.jsonl does not have \(its columns: answer, prompt\)",
+    ):
         check_reward_config(RewardConfig(name="math"), "label", str(rows))
     check_reward_config(RewardConfig(name="math"), "answer", str(rows))
     check_reward_config(RewardConfig(name="math"), "answer.value", str(rows))  # nested: the top level exists
