@@ -187,6 +187,9 @@ class TorchEngine(RolloutEngine):
                 return self._generate_static(requests, sampling)
         jobs = [self.submit(r, sampling) for r in requests]
         self.run_until(jobs)
+        failed = next((job.error for job in jobs if job.error), None)
+        if failed is not None:  # a step run by another thread failed on these jobs
+            raise RuntimeError(f"generation failed: {failed}")
         return [res for job in jobs for res in job.results]  # type: ignore[misc]
 
     def submit(self, request: GenerationRequest, sampling: SamplingParams) -> _Job:
