@@ -24,6 +24,7 @@ from relax_core.samples import PromptRecord
 from tests.agentic.test_agentic_launch import ENV, ROOT
 
 AGENT = ROOT / "examples" / "agents" / "calc_agent.py"
+TOOLS_AGENT = ROOT / "examples" / "agents" / "calc_tools_agent.py"
 FAULTY = ROOT / "tests" / "agentic" / "faulty_agent.py"
 SHORT = [
     "experiment=agent_program_calc",
@@ -163,3 +164,42 @@ def test_program_that_cannot_start_stops_the_run_naming_the_command(tmp_path):
     error = run.stderr.strip().splitlines()[-1]
     assert error.startswith("error: rollout.agent.command") and str(missing) in error, error
     assert "before taking an episode" in error and "No such file" in error
+
+
+@pytest.mark.slow
+def test_function_calling_agent_trains_and_its_reward_rises(tmp_path):
+    """examples/agents/calc_tools_agent.py, written with the openai SDK's function calling and reading
+    every reply as a stream, trained by ``experiment=agent_tools_calc``: its calls come back as tool_calls,
+    its tool messages are masked out, and the sampled reward rises."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relax_launch",
+            f"hydra.run.dir={tmp_path}",
+            "logger=jsonl",
+            "experiment=agent_tools_calc",
+            f"rollout.agent.command=[{sys.executable},{TOOLS_AGENT}]",
+            "rollout.agent.env={RELAX_AGENT_STREAM: '1'}",
+            "rollout.agent.save_trajectories=true",
+            "trainer.eval_every=0",
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rewards = [r["reward/mean"] for r in metric_rows(tmp_path)]
+    assert len(rewards) == 20
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, rewards
+    sessions = [json.loads(line) for line in (tmp_path / "agent_logs" / "trajectories.jsonl").open()]
+    solved = [s for s in sessions if s["reward"] == 1.0]
+    assert solved
+    for s in solved:  # the model's call, the tool's result (masked), the model's answer
+        assert [seg["mask"] for seg in s["segments"]] == [1, 0, 1], s
+        call, result, answer = (seg["text"] for seg in s["segments"])
+        assert call.startswith('<tool_call>{"name":"calc","arguments":{"expr":') and call.endswith("<eos>")
+        assert answer == result.strip() + "<eos>"
