@@ -422,6 +422,7 @@ class LoggerConfig:
     tracking_uri: str | None = None
     experiment_name: str = "relax"
     run_name: str | None = None
+    # TensorBoard event files in <run dir>/tensorboard as well (logger=tensorboard turns it on by itself)
     tensorboard: bool = False
     plot: bool = True
     # Apprise URLs notified at start, finish and failure

@@ -14,20 +14,19 @@ with a message, never a 5xx; the OpenAPI schema is at ``/openapi.json``.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
-import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax_core.errors import RelaxUserError
+from relax_core.http_auth import bearer_auth, check_security
 from relax_core.rollout_pool import RolloutPool, ScaleError
 
 log = logging.getLogger("relax")
@@ -53,23 +52,6 @@ class ScaleInBody(BaseModel):
     )
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_security(host: str, token: str | None) -> None:
-    """Refuse to expose the control plane beyond this machine without a token."""
-    if not is_loopback(host) and not token:
-        raise RelaxUserError(
-            f"control_plane.host={host!r} is reachable from other machines: set control_plane.token"
-        )
-
-
 def _valid_url(url: str) -> bool:
     return url.startswith(("http://", "https://")) and len(url) > len("http://")
 
@@ -82,14 +64,7 @@ def create_app(
     """The control-plane app over the pool ``pool()`` returns (a call, so a global restart's new pool is
     used; None: scaling endpoints answer 400, e.g. in mode=async)."""
 
-    def auth(request: Request) -> None:
-        if token is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given, f"Bearer {token}"):
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-
-    app = FastAPI(title="Relax control plane", dependencies=[Depends(auth)])
+    app = FastAPI(title="Relax control plane", dependencies=[Depends(bearer_auth(token))])
 
     @app.exception_handler(ScaleError)
     async def scale_error(_: Request, err: ScaleError) -> JSONResponse:

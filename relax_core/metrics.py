@@ -1,4 +1,4 @@
-"""Where a run's numbers go: ``metrics.jsonl``, MLflow, the terminal and a reward plot."""
+"""Where a run's numbers go: ``metrics.jsonl``, MLflow, TensorBoard, the terminal and a reward plot."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ def format_step_line(step: int, total: int, m: dict[str, float]) -> str:
 
 
 class MetricsSink:
-    """One per run, in the driver. MLflow holds params (flattened config), per-step metrics, artefacts."""
+    """One per run, in the driver. MLflow holds params (flattened config), per-step metrics, artefacts;
+    TensorBoard (``logger=tensorboard``, or ``logger.tensorboard=true`` next to another logger) gets the
+    per-step scalars and the config as text, in ``<run dir>/tensorboard``."""
 
     def __init__(self, cfg, resolved: dict[str, Any]) -> None:
         self.cfg = cfg
@@ -48,8 +50,20 @@ class MetricsSink:
         self.jsonl = open(self.out / "metrics.jsonl", "a")  # noqa: SIM115  (open for the run's lifetime)
         self.history: list[dict[str, float]] = []
         self.mlflow = None
+        self.tensorboard = None
         if cfg.logger.name == "mlflow":
             self._start_mlflow(resolved)
+        if cfg.logger.name == "tensorboard" or cfg.logger.tensorboard:
+            self._start_tensorboard()
+
+    def _start_tensorboard(self) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        folder = self.out / "tensorboard"
+        self.tensorboard = SummaryWriter(log_dir=str(folder))
+        config = (self.out / "config.yaml").read_text()
+        self.tensorboard.add_text("config", "```\n" + config + "\n```")
+        log.info("TensorBoard events in %s (tensorboard --logdir %s)", folder, folder)
 
     def _start_mlflow(self, resolved: dict[str, Any]) -> None:
         os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
@@ -78,6 +92,11 @@ class MetricsSink:
         if self.mlflow:
             finite = {k.replace("@", "_"): v for k, v in record.items() if k != "step" and math.isfinite(v)}
             self.mlflow.log_metrics(finite, step=step)
+        if self.tensorboard:
+            for key, value in record.items():
+                if key != "step" and math.isfinite(value):
+                    self.tensorboard.add_scalar(key, value, global_step=step)
+            self.tensorboard.flush()
 
     def plot(self) -> Path | None:
         """PNG of the reward per step (mean ± std band) and the eval accuracy points."""
@@ -134,4 +153,6 @@ class MetricsSink:
                 self.mlflow.log_artifact(str(plot))
             self.mlflow.log_artifact(str(self.out / "summary.json"))
             self.mlflow.end_run(status=status)
+        if self.tensorboard:
+            self.tensorboard.close()
         self.jsonl.close()

@@ -24,6 +24,13 @@ def validate(cfg) -> None:
     _check_choice("trainer.lr_decay", t.lr_decay, ["constant", "cosine", "linear"])
     if cfg.reward._target_ is None:
         _check_choice("reward.name", cfg.reward.name, relax_rewards.available())
+    if r.agent is None and r.env is None:  # agent programs and environments score episodes themselves
+        from relax_rewards.preflight import check_reward_config
+
+        try:
+            check_reward_config(cfg.reward, d.label_key, d.train_path)
+        except ValueError as err:
+            raise RelaxUserError(str(err)) from None
     if t.backend == "megatron":  # first: "this backend cannot train that family" beats "no weights"
         from relax_models.megatron.launch import check_megatron_launch
 
@@ -88,6 +95,6 @@ def validate(cfg) -> None:
             f"rollout.max_running={r.max_running} is below rollout.n_samples_per_prompt={r.n_samples_per_prompt}"
         )
     if cfg.control_plane.enabled:
-        from relax_core.control_plane import check_security
+        from relax_core.http_auth import check_security
 
         check_security(cfg.control_plane.host, cfg.control_plane.token)

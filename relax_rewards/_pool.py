@@ -16,15 +16,12 @@ import asyncio
 import inspect
 import logging
 import multiprocessing
-import multiprocessing.connection
 import os
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 log = logging.getLogger("relax_rewards.executor")
@@ -188,14 +185,10 @@ class InProcessRunner:
 # ----------------------------------------------------------------------------------- processes
 
 
-_READY = b"ready"
-
-
-def _worker_main(conn: multiprocessing.connection.Connection) -> None:
-    """Worker process loop: announce readiness, then receive ``(ref, args, kwargs)`` and reply
-    ``(ok, value_or_message)``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    # import the heavy parts before taking work, so the first call's timeout is not spent on imports
+def _warm_worker() -> None:
+    """Worker start-up: import the heavy parts before taking work, so the first call's timeout is not spent
+    on imports; Ctrl-C is the parent's to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import relax_rewards.builtin  # noqa: F401  (and with it the package: every built-in reward registered)
 
     try:
@@ -203,166 +196,70 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
         import sympy  # noqa: F401
     except ImportError:  # pragma: no cover - only the math rewards need them
         pass
-    conn.send_bytes(_READY)
-    targets: dict[str, Callable[..., Any]] = {}
-    while True:
-        try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError):
-            return
-        try:
-            msg = ForkingPickler.loads(data)
-            if msg is None:
-                return
-            ref, args, kwargs = msg
-            kind, value = ref
-            if kind == "target":
-                if value not in targets:
-                    from relax_rewards.plugins import load_custom
-
-                    targets[value] = load_custom(value)
-                fn = targets[value]
-            else:
-                fn = value
-            reply: tuple[bool, Any] = (True, invoke(fn, args, kwargs))
-        except BaseException as e:  # noqa: BLE001
-            reply = (False, describe_exception(e))
-        try:
-            conn.send(reply)
-        except OSError:  # the parent is gone
-            return
-        except Exception as e:  # noqa: BLE001 - e.g. an unpicklable return value
-            conn.send((False, f"reward returned a value that cannot be sent back: {describe_exception(e)}"))
 
 
-class _Worker:
-    def __init__(self, ctx: Any) -> None:
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="relax-reward-worker")
-        self.proc.start()
-        child.close()
-        self.ready = False  # set when the worker has imported everything and waits for calls
-        self.call: int | None = None
-        self.deadline = 0.0
+_targets: dict[str, Callable[..., Any]] = {}
 
-    def stop(self, graceful: bool) -> None:
-        if graceful and self.proc.is_alive():
-            try:
-                self.conn.send(None)
-            except OSError:
-                pass
-            self.proc.join(1.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5.0)
-        self.conn.close()
+
+def _call_in_worker(ref: tuple[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    kind, value = ref
+    if kind == "target":  # a file-loaded reward is loaded again by path in the worker
+        if value not in _targets:
+            from relax_rewards.plugins import load_custom
+
+            _targets[value] = load_custom(value)
+        value = _targets[value]
+    return invoke(value, args, kwargs)
 
 
 class ProcessPoolRunner:
-    """A fixed number of worker processes fed one call at a time; a worker whose call overruns the
-    timeout (or that dies) is killed and replaced, so later calls never wait on it."""
+    """``num_workers`` worker processes (a ``pebble`` pool) fed one call at a time; a worker whose call
+    overruns the timeout (counted from when the worker takes the call) or that dies is killed and
+    replaced, so later calls never wait on it."""
 
     def __init__(self, num_workers: int, start_method: str = "spawn") -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 for a process pool, got {num_workers}")
         self.num_workers = num_workers
         self.ctx = multiprocessing.get_context(start_method)
-        self.workers: list[_Worker] = []
         self.num_restarts = 0
+        self._pool: Any = None
         self._pid = os.getpid()
 
-    def _ensure_started(self) -> None:
+    def _ensure_started(self) -> Any:
+        from pebble import ProcessPool
+
         if os.getpid() != self._pid:  # forked copy of a parent's executor: its workers are not ours
-            self.workers, self._pid = [], os.getpid()
-        while len(self.workers) < self.num_workers:
-            self.workers.append(_Worker(self.ctx))
-
-    def _replace(self, idx: int) -> None:
-        self.workers[idx].stop(graceful=False)
-        self.workers[idx] = _Worker(self.ctx)
-        self.num_restarts += 1
-
-    def _dispatch(self, idx: int, i: int, call: Call, timeout: float) -> Status | None:
-        """Send call ``i`` to worker ``idx``; a status when it could not be sent, else None."""
-        try:
-            data = ForkingPickler.dumps((call.ref, call.args, call.kwargs))
-        except Exception as e:  # noqa: BLE001 - unpicklable function or arguments
-            return ("error", f"cannot send the reward call to a worker process: {describe_exception(e)}")
-        for _ in range(3):
-            w = self.workers[idx]
-            try:
-                w.conn.send_bytes(data)
-            except OSError:  # the idle worker died; replace it and send again
-                self._replace(idx)
-                continue
-            w.call, w.deadline = i, time.monotonic() + timeout
-            return None
-        return ("error", "reward worker processes keep dying before a call can be sent")
+            self._pool, self._pid = None, os.getpid()
+        if self._pool is None:
+            self._pool = ProcessPool(self.num_workers, initializer=_warm_worker, context=self.ctx)
+        return self._pool
 
     def run(self, calls: list[Call], timeout: float) -> list[Status]:
-        self._ensure_started()
-        results: list[Status | None] = [None] * len(calls)
-        pending = deque(range(len(calls)))
-        failed_starts = 0
-        while pending or any(w.call is not None for w in self.workers):
-            for idx in range(len(self.workers)):
-                while self.workers[idx].ready and self.workers[idx].call is None and pending:
-                    i = pending.popleft()
-                    results[i] = self._dispatch(idx, i, calls[i], timeout)
-            busy = [w for w in self.workers if w.call is not None]
-            starting = [w for w in self.workers if not w.ready]
-            wait_s = max(0.0, min(w.deadline for w in busy) - time.monotonic()) if busy else None
-            ready = multiprocessing.connection.wait([w.conn for w in busy + starting], timeout=wait_s)
-            for idx, w in enumerate(self.workers):
-                if not w.ready:
-                    if w.conn not in ready:
-                        continue
-                    try:
-                        w.ready = w.conn.recv_bytes() == _READY
-                        failed_starts = 0
-                        continue
-                    except (EOFError, OSError):
-                        w.proc.join(1.0)
-                        failed_starts += 1
-                        error = f"reward worker process failed to start (exit code {w.proc.exitcode})"
-                        log.error("%s", error)
-                        if failed_starts >= 3:  # do not loop forever on a broken environment
-                            while pending:
-                                results[pending.popleft()] = ("error", error)
-                        self._replace(idx)
-                        continue
-                if w.call is None:
-                    continue
-                if w.conn in ready:
-                    try:
-                        data = w.conn.recv_bytes()
-                    except (EOFError, OSError):
-                        data = None
-                    if data is not None:
-                        try:
-                            ok, value = ForkingPickler.loads(data)
-                            results[w.call] = ("ok", value) if ok else ("error", value)
-                        except Exception as e:  # noqa: BLE001 - a return value the parent cannot load
-                            results[w.call] = (
-                                "error",
-                                f"cannot load the reward's return value: {describe_exception(e)}",
-                            )
-                        w.call = None
-                        continue
-                    w.proc.join(1.0)
-                    results[w.call] = ("error", f"reward worker process died (exit code {w.proc.exitcode})")
-                elif time.monotonic() >= w.deadline:
-                    results[w.call] = ("timeout", None)
-                else:
-                    continue
-                log.debug("replacing reward worker pid %s", w.proc.pid)
-                w.call = None
-                self._replace(idx)
-        return [r if r is not None else ("error", "reward call was not run") for r in results]
+        from pebble import ProcessExpired
+
+        pool = self._ensure_started()
+        futures = [pool.schedule(_call_in_worker, (c.ref, c.args, c.kwargs), timeout=timeout) for c in calls]
+        results: list[Status] = []
+        for future in futures:
+            try:
+                results.append(("ok", future.result()))
+            except TimeoutError:
+                self.num_restarts += 1
+                results.append(("timeout", None))
+            except ProcessExpired as e:
+                self.num_restarts += 1
+                results.append(("error", f"reward worker process died (exit code {e.exitcode})"))
+            except BaseException as e:  # noqa: BLE001 - the reward's own error, or a value that cannot travel
+                results.append(("error", describe_exception(e)))
+        return results
 
     def close(self) -> None:
-        if os.getpid() != self._pid:
+        if os.getpid() != self._pid or self._pool is None:
             return
-        for w in self.workers:
-            w.stop(graceful=True)
-        self.workers = []
+        self._pool.close()
+        self._pool.join(timeout=5)
+        if self._pool.active:
+            self._pool.stop()
+            self._pool.join()
+        self._pool = None

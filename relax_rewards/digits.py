@@ -7,7 +7,7 @@ from typing import Any
 from relax_rewards.registry import register
 
 
-@register("digits", key="score")
+@register("digits", key="score", needs_label=True)
 def digits_reward(response: str, label: str, metadata: dict[str, Any] | None = None) -> dict[str, float]:
     """Per-position partial credit, so a tiny policy gets a learning signal before it is exactly right.
 

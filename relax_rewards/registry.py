@@ -19,6 +19,10 @@ class RewardEntry:
     fn: RewardFn
     key: str | None = None
     group: bool = False
+    # scores against the sample's label (the dataset's data.label_key column)
+    needs_label: bool = False
+    # kwargs of which the config must give at least one (e.g. a judge's url)
+    needs_one_of: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, RewardEntry] = {}
@@ -40,13 +44,19 @@ def _same_function(a: RewardFn, b: RewardFn) -> bool:
 
 
 def register(
-    name: str, *, key: str | None = None, group: bool | None = None
+    name: str,
+    *,
+    key: str | None = None,
+    group: bool | None = None,
+    needs_label: bool = False,
+    needs_one_of: tuple[str, ...] = (),
 ) -> Callable[[RewardFn], RewardFn]:
     """Decorator registering ``fn`` under ``name``.
 
     ``key`` names the entry of a dict-valued reward used as the scalar when the config gives none;
     ``group=True`` (or a function marked with ``@group_reward``) means it scores one prompt group at
-    a time: ``fn(responses, labels, metadatas) -> list``.
+    a time: ``fn(responses, labels, metadatas) -> list``. ``needs_label`` and ``needs_one_of`` (kwargs
+    of which one must be configured) let a run that cannot score stop at start (:mod:`relax_rewards.preflight`).
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"reward name must be a non-empty string, got {name!r}")
@@ -60,7 +70,7 @@ def register(
                 f"reward name {name!r} is already registered to {old.fn.__module__}.{old.fn.__qualname__}"
             )
         is_group = is_group_reward(fn) if group is None else group
-        _REGISTRY[name] = RewardEntry(name=name, fn=fn, key=key, group=is_group)
+        _REGISTRY[name] = RewardEntry(name, fn, key, is_group, needs_label, tuple(needs_one_of))
         return fn
 
     return deco

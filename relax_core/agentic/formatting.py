@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from relax_core.agentic.tools import assistant_text
 from relax_core.errors import RelaxUserError
 
 SENTINEL = "\u2063RELAX_TURN\u2063"
@@ -22,21 +23,32 @@ IMAGE_MARKER = "<image>"
 _CONCAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
-def render_messages(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """The text of a conversation: the chat template (with a generation prompt), or, without one, each
-    message's content followed by EOS (assistant turns, as the model ends them) or a newline (others)."""
+def render_messages(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The text of a conversation: the chat template (with a generation prompt and the ``tools`` offered),
+    or, without one, each message's content followed by EOS (assistant turns, as the model ends them, tool
+    calls written in the family's convention) or a newline (others)."""
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     eos = tokenizer.eos_token or ""
     return "".join(
-        str(m.get("content") or "") + (eos if m.get("role") == "assistant" else "\n") for m in messages
+        assistant_text(m) + eos if m.get("role") == "assistant" else str(m.get("content") or "") + "\n"
+        for m in messages
     )
 
 
 def continuation_text(
-    tokenizer, history: list[dict[str, Any]], new_messages: list[dict[str, Any]], ended_with_eos: bool
+    tokenizer,
+    history: list[dict[str, Any]],
+    new_messages: list[dict[str, Any]],
+    ended_with_eos: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The text that follows the model's last turn when ``new_messages`` join the conversation.
 
@@ -44,7 +56,7 @@ def continuation_text(
     closing of it (EOS, newlines) is kept; the EOS the model itself generated is already in the context.
     """
     rendered = render_messages(
-        tokenizer, [*history, {"role": "assistant", "content": SENTINEL}, *new_messages]
+        tokenizer, [*history, {"role": "assistant", "content": SENTINEL}, *new_messages], tools=tools
     )
     tail = rendered.split(SENTINEL, 1)[1]
     eos = tokenizer.eos_token or ""

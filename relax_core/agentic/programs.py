@@ -123,6 +123,8 @@ class AgentProgramRollout:
     def start(self) -> None:
         self.server.start()
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # where the endpoint listens, for tools outside the run (like control_plane.json)
+        (self.log_dir / "endpoint.json").write_text(json.dumps({"url": self.server.url}))
         for slot in range(self.agent.num_workers):
             self._spawn(slot)
         log.info(

@@ -13,23 +13,32 @@ In a training run (``rollout.agent``, :mod:`relax_core.agentic.programs`) an :cl
 out the step's episodes (``POST /v1/episodes/next``): only those sessions are served, with the run's
 sampling settings, and each becomes one sample of its prompt's group. Concurrent calls of different
 sessions are batched into one engine call (:class:`RequestBatcher`).
+
+Function calling follows the OpenAI API: a request's ``tools`` reach the chat template, and when it offers
+tools (``tool_choice`` other than ``"none"``) the model's call blocks (the family's convention,
+:mod:`relax_core.agentic.tools`) come back as ``tool_calls`` with ``finish_reason: "tool_calls"``; the
+program answers with ``tool`` messages, recorded with loss mask 0 like any message it adds. ``stream: true``
+answers with server-sent ``chat.completion.chunk`` events ending in ``data: [DONE]``; the chunks are sent
+once the engine has finished the turn (the engines return whole turns).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax_core.agentic.formatting import continuation_text, render_messages
+from relax_core.agentic.tools import message_key, parse_tool_calls
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.samples import PromptRecord, Sample, SampleStatus
 
@@ -40,10 +49,60 @@ FINISH_STATUS = {
 }
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"] = "text"
+    text: str
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message for the chat template: text parts joined, unset fields left out."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(part.text for part in self.content)
+        return out
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
 
 
 class ChatRequest(BaseModel):
@@ -52,10 +111,16 @@ class ChatRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = 1
     user: str | None = None
+    tools: list[Tool] | None = None
+    # "auto" / "required" / a named function: the model's call blocks are parsed; "none": plain text.
+    # The model is not constrained: "required" cannot make it call.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
 
 
 class RewardRequest(BaseModel):
@@ -74,12 +139,15 @@ class Generates(Protocol):
 
 
 def extends(messages: list[dict[str, Any]], seen: list[dict[str, Any]]) -> bool:
-    """Whether ``messages`` continue ``seen`` (same roles and contents, in order)."""
+    """Whether ``messages`` continue ``seen`` (same roles, contents and tool calls, in order)."""
+    return len(messages) >= len(seen) and [message_key(m) for m in messages[: len(seen)]] == [
+        message_key(m) for m in seen
+    ]
 
-    def key(m: dict[str, Any]) -> tuple[Any, str]:
-        return m.get("role"), str(m.get("content") or "")
 
-    return len(messages) >= len(seen) and [key(m) for m in messages[: len(seen)]] == [key(m) for m in seen]
+def sse(event: dict[str, Any] | str) -> str:
+    """One server-sent event line."""
+    return f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n"
 
 
 @dataclass
@@ -319,6 +387,43 @@ class RequestBatcher:
                     call.done.set()
 
 
+def token_pieces(tokenizer, ids: list[int]) -> list[str]:
+    """The decoded text of ``ids`` split where each token ends (text grows monotonically per token; a
+    token that completes no character adds to the next piece)."""
+    pieces, done = [], ""
+    for end in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:end], skip_special_tokens=True)
+        if len(text) > len(done) and not text.endswith("\ufffd"):
+            pieces.append(text[len(done) :])
+            done = text
+    return pieces
+
+
+def stream_chunks(
+    head: dict[str, Any],
+    reply: dict[str, Any],
+    pieces: list[str],
+    finish: str,
+    usage: dict[str, int] | None,
+):
+    """The turn as ``chat.completion.chunk`` events: the role, the content (per token, or whole when the
+    turn made tool calls), the calls, the finish reason, the usage if asked, then ``[DONE]``."""
+    chunk = head | {"object": "chat.completion.chunk"}
+
+    def event(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+        return sse(chunk | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]})
+
+    yield event({"role": "assistant", "content": ""})
+    for piece in pieces or ([reply["content"]] if reply["content"] else []):
+        yield event({"content": piece})
+    for index, call in enumerate(reply.get("tool_calls", [])):
+        yield event({"tool_calls": [{"index": index, **call}]})
+    yield event({}, finish)
+    if usage is not None:
+        yield sse(chunk | {"choices": [], "usage": usage})
+    yield sse("[DONE]")
+
+
 def build_app(
     engine: Generates,
     tokenizer,
@@ -328,10 +433,12 @@ def build_app(
     max_context_len: int | None = None,
     board: EpisodeBoard | None = None,
 ):
-    """The FastAPI app. With a ``board`` (a training run) the run's ``sampling`` always applies: a request's
-    temperature/top_p are ignored so the recorded log-probs are the ones training expects, and its
-    max_tokens can only lower ``sampling.max_new_tokens``."""
+    """The FastAPI app. A request's max_tokens can only lower ``sampling.max_new_tokens`` (the server's
+    budget bounds what one call may cost). With a ``board`` (a training run) the run's ``sampling`` always
+    applies: a request's temperature/top_p are ignored so the recorded log-probs are the ones training
+    expects."""
     from fastapi import FastAPI, Header, HTTPException
+    from fastapi.responses import StreamingResponse
 
     app = FastAPI(title="Relax policy (OpenAI-compatible)")
     batcher = RequestBatcher(engine)
@@ -339,12 +446,12 @@ def build_app(
 
     def session_sampling(req: ChatRequest, traj: Trajectory) -> SamplingParams:
         asked = req.max_completion_tokens or req.max_tokens
+        budget = min(asked or sampling.max_new_tokens, sampling.max_new_tokens)
         if board is not None:
             temperature = 0.0 if traj.greedy else sampling.temperature
-            budget = min(asked or sampling.max_new_tokens, sampling.max_new_tokens)
             return dataclasses.replace(sampling, max_new_tokens=budget, temperature=temperature, n=1)
         return SamplingParams(
-            max_new_tokens=asked or sampling.max_new_tokens,
+            max_new_tokens=budget,
             temperature=sampling.temperature if req.temperature is None else req.temperature,
             top_p=sampling.top_p if req.top_p is None else req.top_p,
             top_k=sampling.top_k,
@@ -356,7 +463,7 @@ def build_app(
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "relax"}]}
 
     @app.post("/v1/chat/completions")
-    def chat(req: ChatRequest, x_session_id: str | None = Header(default=None)) -> dict[str, Any]:
+    def chat(req: ChatRequest, x_session_id: str | None = Header(default=None)) -> Any:
         session_id = x_session_id or req.user
         if not session_id:
             raise HTTPException(400, "give a session id: header X-Session-Id or the request's 'user' field")
@@ -370,18 +477,19 @@ def build_app(
             raise HTTPException(
                 404, f"no open session {session_id!r}: take an episode from POST /v1/episodes/next"
             ) from None
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        messages = [m.as_dict() for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
         with traj.lock:
             params = session_sampling(req, traj)
             if traj.messages and extends(messages, traj.messages):
                 # token-in-token-out: keep the sampled tokens, append only what the program added
                 tail = continuation_text(
-                    tokenizer, traj.messages[:-1], messages[len(traj.messages) :], traj.ended_with_eos
+                    tokenizer, traj.messages[:-1], messages[len(traj.messages) :], traj.ended_with_eos, tools
                 )
                 traj._append(tokenizer(tail, add_special_tokens=False).input_ids, None, 0)
             else:
-                ids = tokenizer(render_messages(tokenizer, messages), add_special_tokens=False).input_ids
-                traj.extend_to(ids, eos_id)
+                text = render_messages(tokenizer, messages, tools=tools)
+                traj.extend_to(tokenizer(text, add_special_tokens=False).input_ids, eos_id)
             if max_context_len is not None:
                 params.max_new_tokens = min(params.max_new_tokens, max_context_len - len(traj.context))
                 if params.max_new_tokens < 1:
@@ -395,26 +503,37 @@ def build_app(
             if result.finish_reason == "abort":
                 traj.status = SampleStatus.ABORTED
             text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
-            traj.messages = [*messages, {"role": "assistant", "content": text}]
+            content, calls = (
+                (text, []) if tools is None or req.tool_choice == "none" else parse_tool_calls(text)
+            )
+            reply: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                reply["tool_calls"] = calls
+            traj.messages = [*messages, reply]
             traj.ended_with_eos = bool(result.output_ids) and result.output_ids[-1] == eos_id
             prompt_tokens = len(traj.context) - len(result.output_ids)
-        return {
+        finish = "tool_calls" if calls else "stop" if result.finish_reason == "stop" else "length"
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(result.output_ids),
+            "total_tokens": prompt_tokens + len(result.output_ids),
+        }
+        head = {
             "id": f"chatcmpl-{uuid.uuid4().hex[:16]}",
-            "object": "chat.completion",
             "created": int(time.time()),
             "model": req.model or model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": "stop" if result.finish_reason == "stop" else "length",
-                }
-            ],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": len(result.output_ids),
-                "total_tokens": prompt_tokens + len(result.output_ids),
-            },
+        }
+        if req.stream:
+            pieces = [] if calls else token_pieces(tokenizer, result.output_ids)
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return StreamingResponse(
+                stream_chunks(head, reply, pieces, finish, usage if include_usage else None),
+                media_type="text/event-stream",
+            )
+        return head | {
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": reply, "finish_reason": finish}],
+            "usage": usage,
         }
 
     @app.post("/v1/sessions/{session_id}/reward")

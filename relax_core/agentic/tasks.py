@@ -7,6 +7,7 @@ environment's constructor.
 
 from __future__ import annotations
 
+import json
 import random
 
 from relax_core.synthetic import synthetic_task
@@ -41,6 +42,42 @@ def calc_chat_row(rng: random.Random, cfg) -> dict:
     row["metadata"]["demo"] = [
         {"role": "assistant", "content": f"calc({row['prompt']})"},
         {"role": "tool", "content": f"={row['label']}"},
+        {"role": "assistant", "content": row["label"]},
+    ]
+    return row
+
+
+# the function examples/agents/calc_tools_agent.py offers (the chat template shows it to the model)
+CALC_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate an integer expression with +, - and *.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expr": {"type": "string"}},
+                "required": ["expr"],
+            },
+        },
+    }
+]
+
+
+@synthetic_task("calc_tools")
+def calc_tools_row(rng: random.Random, cfg) -> dict:
+    """``calc`` for the function-calling agent ``examples/agents/calc_tools_agent.py``: the demonstration
+    calls ``calc`` through ``tool_calls``, reads the tool's result and answers with it."""
+    row = calc_row(rng, cfg)
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "calc", "arguments": json.dumps({"expr": row["prompt"]})},
+    }
+    row["metadata"]["tools"] = CALC_TOOLS
+    row["metadata"]["demo"] = [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": row["label"]},
         {"role": "assistant", "content": row["label"]},
     ]
     return row

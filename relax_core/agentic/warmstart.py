@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from relax_core.agentic.formatting import continuation_text, render_messages
 from relax_core.agentic.multiturn import Episode, MultiTurnRunner
+from relax_core.agentic.tools import assistant_text
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord, Sample
 
@@ -62,18 +63,19 @@ def demo_samples(prompts: list[PromptRecord], tokenizer) -> list[Sample]:
                 f"prompt) in every row; row {p.index} has none (or set trainer.sft_warmup_steps=0)"
             )
         conversation, prompt_ids, ids, mask, last_turn = list(p.messages), None, [], [], None
+        tools = p.metadata.get("tools")  # the functions the program offers, as in its requests
         for message in demo:
             if message["role"] == "assistant":
                 if last_turn is None:
-                    prompt_ids = encode(render_messages(tokenizer, conversation))
+                    prompt_ids = encode(render_messages(tokenizer, conversation, tools=tools))
                 elif len(conversation) > last_turn + 1:
                     added = encode(
                         continuation_text(
-                            tokenizer, conversation[:last_turn], conversation[last_turn + 1 :], True
+                            tokenizer, conversation[:last_turn], conversation[last_turn + 1 :], True, tools
                         )
                     )
                     ids, mask = ids + added, mask + [0] * len(added)
-                turn = encode(str(message["content"])) + [eos]
+                turn = encode(assistant_text(message)) + [eos]
                 ids, mask, last_turn = ids + turn, mask + [1] * len(turn), len(conversation)
             conversation.append(message)
         if prompt_ids is None:

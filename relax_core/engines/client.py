@@ -72,7 +72,11 @@ class HttpEngine(RolloutEngine):
         token: str | None = None,
         weight_transfer: str = "disk",
         server_world_size: int = 1,
+        weights_dir: str | None = None,
     ) -> None:
+        """``weight_transfer``: ``distributed`` (in memory) or ``disk``; ``weights_dir``: where the disk
+        path writes the folders the server loads (one of the server's ``--weights-dir`` folders); default a
+        new temporary folder."""
         if weight_transfer not in WEIGHT_TRANSFERS:
             raise ValueError(f"weight_transfer={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}")
         self.url = url.rstrip("/")
@@ -80,6 +84,7 @@ class HttpEngine(RolloutEngine):
         self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
         self.base_model_path = base_model_path
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="http-engine")
+        self.weights_dir = weights_dir
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._last_folder: Path | None = None
         self.weight_transfer = weight_transfer
@@ -144,9 +149,10 @@ class HttpEngine(RolloutEngine):
             self.broadcaster.send(state_dict, version)
             self.weight_version = version
             return
-        if self._tmp is None:
+        if self.weights_dir is None and self._tmp is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="relax-weights-")
-        folder = save_weights_folder(state_dict, self.base_model_path, Path(self._tmp.name) / f"v{version}")
+        root = Path(self.weights_dir or self._tmp.name)  # type: ignore[union-attr]
+        folder = save_weights_folder(state_dict, self.base_model_path, root / f"v{version}")
         self.update_weights_from_disk(str(folder), version)
         if self._last_folder is not None and self._last_folder != folder:
             shutil.rmtree(self._last_folder, ignore_errors=True)  # the server has loaded the new one

@@ -8,6 +8,14 @@ Endpoints (the subset of SGLang's native server RL loops use): ``POST /generate`
 Start one: ``python -m relax_core.engines.http_server --model PATH --port N`` (or ``relax-engine-server``).
 A background thread steps the engine while it has work, so concurrent requests share decode steps
 (continuous batching).
+
+Every request is answered: a body the engine cannot serve gets a 4xx naming the cause (token ids outside
+the vocabulary, prompt plus ``max_new_tokens`` beyond the model's context, more samples than the engine
+decodes together, a KV cache larger than ``--kv-cache-gb``), and a job that fails inside the engine
+answers with its error instead of leaving its caller waiting. Weights load only from ``--weights-dir``
+folders (default: the server's working directory, a run's directory) with every tensor's name and shape
+checked. Bound beyond loopback, the server needs ``--token`` (the control plane's rule). SIGTERM aborts
+whatever is running and exits.
 """
 
 from __future__ import annotations
@@ -15,22 +23,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import sys
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
-from fastapi import FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
 from relax_core.engines.base import GenerationRequest, SamplingParams
+from relax_core.errors import RelaxUserError
+from relax_core.http_auth import bearer_auth, check_security
 
 log = logging.getLogger("relax.engine_server")
 
 
 class SamplingBody(BaseModel):
     max_new_tokens: int = Field(16, ge=0)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = -1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -46,8 +60,8 @@ class GenerateBody(BaseModel):
 
 
 class UpdateWeightsBody(BaseModel):
-    model_path: str
-    weight_version: int | str | None = None
+    model_path: str = Field(min_length=1)
+    weight_version: int | None = Field(None, ge=0)
     flush_cache: bool = True
 
 
@@ -57,14 +71,118 @@ class AbortBody(BaseModel):
 
 
 class PauseBody(BaseModel):
-    mode: str = "abort"
+    mode: Literal["abort", "in_place", "retract"] = "abort"
+
+
+@dataclass
+class ServerLimits:
+    """What one ``/generate`` request may ask of the engine (None: no limit known)."""
+
+    vocab_size: int | None = None  # token ids must be in [0, vocab_size)
+    max_context: int | None = None  # prompt + max_new_tokens
+    max_samples: int | None = None  # prompts x n in one request
+    kv_budget_bytes: int | None = None  # KV cache the engine may hold; a request needing more is refused
+    kv_bytes_per_token: int = 0  # K and V of one position of one sample, all layers
+
+    @classmethod
+    def of(cls, engine: Any, kv_cache_gb: float | None = None) -> ServerLimits:
+        """Limits read from a :class:`TorchEngine`'s model config and slot count; ``kv_cache_gb`` defaults
+        to a quarter of this machine's memory."""
+        model = getattr(engine, "model", None)
+        if model is None:
+            return cls()
+        cfg = model.config.get_text_config()
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        element = next(model.parameters()).element_size()
+        if kv_cache_gb is None:
+            import psutil
+
+            kv_cache_gb = psutil.virtual_memory().total / 4 / 2**30
+        return cls(
+            vocab_size=model.get_input_embeddings().num_embeddings,
+            max_context=getattr(cfg, "max_position_embeddings", None),
+            max_samples=getattr(engine, "max_running", None),
+            kv_budget_bytes=int(kv_cache_gb * 2**30),
+            kv_bytes_per_token=2 * cfg.num_hidden_layers * kv_heads * head_dim * element,
+        )
+
+    def check(self, prompts: list[list[int]], max_new_tokens: int, n: int) -> None:
+        """HTTP 400 naming the first limit the request breaks."""
+        if self.vocab_size is not None:
+            bad = [t for p in prompts for t in p if not 0 <= t < self.vocab_size]
+            if bad:
+                raise HTTPException(
+                    400, f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+                )
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        if self.max_context is not None and longest > self.max_context:
+            raise HTTPException(
+                400,
+                f"prompt ({longest - max_new_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's context of {self.max_context} tokens",
+            )
+        samples = len(prompts) * n
+        if self.max_samples is not None and samples > self.max_samples:
+            raise HTTPException(
+                400,
+                f"{len(prompts)} prompt(s) x n={n} = {samples} samples exceeds the {self.max_samples} this "
+                "server decodes together (--max-running): split the request",
+            )
+        need = samples * longest * self.kv_bytes_per_token
+        if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
+            raise HTTPException(
+                400,
+                f"the request needs {need / 2**30:.2f} GiB of KV cache, over this server's "
+                f"{self.kv_budget_bytes / 2**30:.2f} GiB (--kv-cache-gb): fewer samples or tokens",
+            )
+
+
+def load_checked_weights(engine: Any, folder: Path) -> dict[str, Any]:
+    """The ``*.safetensors`` tensors of ``folder``, refused unless each names a parameter of the engine's
+    model with its shape, and every parameter is given (a tied copy may be left out)."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    state: dict[str, Any] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    expected = engine.model.state_dict()
+    unknown = sorted(set(state) - set(expected))
+    if unknown:
+        raise ValueError(f"tensors the model does not have: {unknown[:5]}")
+    wrong = [
+        f"{k} {tuple(v.shape)} != {tuple(expected[k].shape)}"
+        for k, v in state.items()
+        if v.shape != expected[k].shape
+    ]
+    if wrong:
+        raise ValueError(f"shape mismatch: {wrong[:5]}")
+    given = {expected[k].data_ptr() for k in state}
+    missing = sorted(k for k, v in expected.items() if k not in state and v.data_ptr() not in given)
+    if missing:
+        raise ValueError(f"missing tensors: {missing[:5]}")
+    return state
+
+
+def inside(path: str, folders: list[Path]) -> bool:
+    """Whether ``path`` (symlinks resolved) lies in one of ``folders``; False for a path the OS refuses."""
+    try:
+        real = Path(path).resolve()
+    except (OSError, ValueError):  # e.g. an embedded NUL byte
+        return False
+    return any(real.is_relative_to(f.resolve()) for f in folders)
 
 
 class EngineLoop:
     """Steps a :class:`TorchEngine` in a daemon thread whenever requests are queued."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, idle_cache_bytes: int | None = None) -> None:
         self.engine = engine
+        self.idle_cache_bytes = idle_cache_bytes
         self.wake = threading.Event()
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -74,12 +192,19 @@ class EngineLoop:
         while not self.stopped:
             try:
                 busy = self.engine.step() if hasattr(self.engine, "step") else False
-            except Exception:  # keep serving; the failing jobs are reported by their handlers' timeouts
+            except Exception:  # keep serving; the engine answered the failed jobs with the error
                 log.exception("engine step failed")
                 busy = False
             if not busy:
+                self._free_idle_cache()
                 self.wake.wait(0.05)
                 self.wake.clear()
+
+    def _free_idle_cache(self) -> None:
+        """A burst of requests may have grown the KV cache past the budget: give the memory back."""
+        if self.idle_cache_bytes is not None and hasattr(self.engine, "cache_bytes"):
+            if self.engine.cache_bytes() > self.idle_cache_bytes:
+                self.engine.flush_cache()
 
     def stop(self) -> None:
         self.stopped = True
@@ -94,10 +219,26 @@ def _finish_reason(reason: str, matched: Any = None) -> dict[str, Any]:
     return {"type": "stop", "matched": matched}
 
 
-def create_app(engine: Any, tokenizer: Any = None, model_path: str = "") -> FastAPI:
-    """The FastAPI app serving ``engine`` (a :class:`RolloutEngine`; step-able engines batch continuously)."""
-    app = FastAPI(title="Relax rollout engine (SGLang-compatible)")
-    loop = EngineLoop(engine)
+def create_app(
+    engine: Any,
+    tokenizer: Any = None,
+    model_path: str = "",
+    weights_dirs: list[str] | None = None,
+    token: str | None = None,
+    limits: ServerLimits | None = None,
+) -> FastAPI:
+    """The FastAPI app serving ``engine`` (a :class:`RolloutEngine`; step-able engines batch continuously).
+
+    ``weights_dirs``: folders ``/update_weights_from_disk`` may load from (default: the working
+    directory). ``token``: required as ``Authorization: Bearer`` on every request. ``limits``: default
+    :meth:`ServerLimits.of` the engine.
+    """
+    limits = limits or ServerLimits.of(engine)
+    allowed = [Path(d) for d in (weights_dirs or [os.getcwd()])]
+    app = FastAPI(
+        title="Relax rollout engine (SGLang-compatible)", dependencies=[Depends(bearer_auth(token))]
+    )
+    loop = EngineLoop(engine, limits.kv_budget_bytes)
     app.state.loop = loop
     app.state.engine = engine
     paused = threading.Event()
@@ -119,7 +260,8 @@ def create_app(engine: Any, tokenizer: Any = None, model_path: str = "") -> Fast
             "num_running": engine.num_running() if hasattr(engine, "num_running") else 0,
         }
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    @app.post("/flush_cache", operation_id="flush_cache_post")
     def flush_cache() -> dict[str, Any]:
         if hasattr(engine, "flush_cache"):
             engine.flush_cache()
@@ -127,10 +269,18 @@ def create_app(engine: Any, tokenizer: Any = None, model_path: str = "") -> Fast
 
     @app.post("/update_weights_from_disk")
     def update_weights_from_disk(body: UpdateWeightsBody) -> dict[str, Any]:
-        version = int(body.weight_version) if body.weight_version is not None else engine.weight_version + 1
+        version = body.weight_version if body.weight_version is not None else engine.weight_version + 1
+        if not inside(body.model_path, allowed):
+            raise HTTPException(
+                403,
+                f"{body.model_path} is outside the folders weights load from ({', '.join(map(str, allowed))})",
+            )
         try:
-            engine.update_weights_from_disk(body.model_path, version)
-        except (FileNotFoundError, OSError, RuntimeError) as exc:
+            if hasattr(engine, "model"):
+                engine.update_weights(load_checked_weights(engine, Path(body.model_path)), version)
+            else:
+                engine.update_weights_from_disk(body.model_path, version)
+        except (ValueError, OSError, RuntimeError) as exc:
             raise HTTPException(400, f"cannot load weights from {body.model_path}: {exc}") from exc
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
 
@@ -172,7 +322,10 @@ def create_app(engine: Any, tokenizer: Any = None, model_path: str = "") -> Fast
             prompts = [tokenizer(t).input_ids for t in texts]
         if not prompts or any(not p for p in prompts):
             raise HTTPException(400, "empty prompt")
+        if isinstance(body.rid, list) and len(body.rid) != len(prompts):
+            raise HTTPException(400, f"rid has {len(body.rid)} entries for {len(prompts)} prompts")
         sp = body.sampling_params
+        limits.check(prompts, sp.max_new_tokens, sp.n)
         stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
         sampling = SamplingParams(
             max_new_tokens=sp.max_new_tokens,
@@ -198,6 +351,8 @@ def create_app(engine: Any, tokenizer: Any = None, model_path: str = "") -> Fast
             if hasattr(job, "done"):
                 while not job.done.is_set():
                     await asyncio.sleep(0.002)
+                if job.error is not None:
+                    raise HTTPException(500, f"the engine failed on this request: {job.error}")
                 results = job.results
             else:
                 results = job
@@ -273,10 +428,26 @@ def build_server_engine(model_path: str, dtype: str = "float32", seed: int = 0, 
     return engine, tokenizer
 
 
+def serve(app: FastAPI, engine: Any, host: str, port: int) -> None:
+    """Run ``app`` until SIGINT/SIGTERM; the signal first aborts the engine's work, so requests stuck in
+    it (a paused engine, a long generation) answer at once and the server exits."""
+    import uvicorn
+
+    class AbortingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            engine.abort()
+            engine.resume()
+            app.state.loop.wake.set()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)
+    AbortingServer(config).run()
+    app.state.loop.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m relax_core.engines.http_server --model PATH --port N``: serve until interrupted."""
     import torch
-    import uvicorn
 
     parser = argparse.ArgumentParser(description="Relax rollout engine with an SGLang-compatible HTTP API")
     parser.add_argument("--model", required=True, help="local HF model folder")
@@ -286,14 +457,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     parser.add_argument("--max-running", type=int, default=1024, help="samples decoded together")
+    parser.add_argument(
+        "--weights-dir",
+        action="append",
+        help="folder /update_weights_from_disk may load from (repeatable; default: the working directory)",
+    )
+    parser.add_argument("--token", default=os.environ.get("RELAX_ENGINE_TOKEN"), help="bearer token")
+    parser.add_argument(
+        "--kv-cache-gb", type=float, default=None, help="KV cache limit (default: a quarter of the memory)"
+    )
     args = parser.parse_args(argv)
+    try:
+        check_security(args.host, args.token, "--host", "--token (or RELAX_ENGINE_TOKEN)")
+    except RelaxUserError as err:
+        sys.exit(f"error: {err}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine, tokenizer = build_server_engine(args.model, args.dtype, args.seed, args.max_running)
-    app = create_app(engine, tokenizer, args.model)
+    limits = ServerLimits.of(engine, args.kv_cache_gb)
+    app = create_app(engine, tokenizer, args.model, args.weights_dir, args.token, limits)
     log.info("serving %s on http://%s:%d", args.model, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    serve(app, engine, args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -129,6 +129,7 @@ class _Job:
     remaining: int = 0
     done: threading.Event = field(default_factory=threading.Event)
     aborted: bool = False
+    error: str | None = None  # why the engine could not run it (the job is done, without results)
 
 
 class TorchEngine(RolloutEngine):
@@ -163,6 +164,7 @@ class TorchEngine(RolloutEngine):
         self._lock = threading.RLock()  # one thread steps the engine at a time
         self._queue: deque[_Job] = deque()
         self._rows: list[dict[str, Any]] = []  # per live slot: job, sample index, pending token
+        self._admitting: list[_Job] = []  # jobs taken off the queue by the prefill in progress
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, signed sin per cache position
         self._positions = torch.arange(0)
@@ -185,6 +187,9 @@ class TorchEngine(RolloutEngine):
                 return self._generate_static(requests, sampling)
         jobs = [self.submit(r, sampling) for r in requests]
         self.run_until(jobs)
+        failed = next((job.error for job in jobs if job.error), None)
+        if failed is not None:  # a step run by another thread failed on these jobs
+            raise RuntimeError(f"generation failed: {failed}")
         return [res for job in jobs for res in job.results]  # type: ignore[misc]
 
     def submit(self, request: GenerationRequest, sampling: SamplingParams) -> _Job:
@@ -230,11 +235,15 @@ class TorchEngine(RolloutEngine):
                     self._abort.clear()
                 self._abort_requests(targets)
                 return True
-            if not self._paused.is_set():
-                self._admit()
-            if not self._rows:
-                return False
-            self._decode()
+            try:
+                if not self._paused.is_set():
+                    self._admit()
+                if not self._rows:
+                    return False
+                self._decode()
+            except Exception as err:
+                self._fail_live(err)
+                raise
             return True
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -261,6 +270,21 @@ class TorchEngine(RolloutEngine):
         with self._lock:
             if not self._rows:
                 self._cache = None
+
+    def cache_bytes(self) -> int:
+        """Memory held by the slot KV cache (0 when none is allocated)."""
+        cache = self._cache
+        return 0 if cache is None else sum(t.numel() * t.element_size() for t in cache)
+
+    def _fail_live(self, err: Exception) -> None:
+        """A step failed: every admitted job (and the batch being admitted) answers with the error, so no
+        caller waits forever, and the engine starts clean."""
+        jobs = {id(row["job"]): row["job"] for row in self._rows} | {id(j): j for j in self._admitting}
+        self._rows, self._admitting = [], []
+        for job in jobs.values():
+            job.error = f"{type(err).__name__}: {err}"
+            job.remaining = 0
+            job.done.set()
 
     # ------------------------------------------------------------------ slot cache
     def _ensure_cache(self, slots: int, length: int) -> None:
@@ -310,6 +334,7 @@ class TorchEngine(RolloutEngine):
             batch.append(job)
         if not batch:
             return
+        self._admitting = batch
         prompts = [j.request.input_ids for j in batch]
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lens.max())
@@ -350,6 +375,7 @@ class TorchEngine(RolloutEngine):
                     }
                 )
         self._sample_rows(logits[src], list(range(base, len(self._rows))))
+        self._admitting = []
         self.peak_running = max(self.peak_running, len(self._rows))
         self._retire()
 

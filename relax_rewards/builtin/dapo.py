@@ -64,13 +64,13 @@ def _outcome(pred: str | None, label: Any, name: str) -> dict[str, Any]:
     return {"score": 1.0 if correct else -1.0, "acc": 1.0 if correct else 0.0, "pred": norm}
 
 
-@register("dapo", key="score")
+@register("dapo", key="score", needs_label=True)
 def dapo_reward(response: str, label: Any, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
     """+1 when the normalised ``Answer: X`` from the response tail equals the normalised label, else -1."""
     return _outcome(extract_answer_line(response), label, "dapo")
 
 
-@register("dapo_strict_box", key="score")
+@register("dapo_strict_box", key="score", needs_label=True)
 def dapo_strict_box_reward(
     response: str, label: Any, metadata: dict[str, Any] | None = None
 ) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from relax_rewards._text import after_think, last_boxed
 from relax_rewards.registry import register
 
 
-@register("deepscaler")
+@register("deepscaler", needs_label=True)
 def deepscaler_reward(response: str, label: Any, metadata: dict[str, Any] | None = None) -> float:
     """1.0 only if the response closes ``</think>``, boxes an answer after it, and that answer is right.
 

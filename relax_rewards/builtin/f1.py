@@ -51,7 +51,7 @@ def extract_short_answer(response: str) -> str:
     return text.strip()
 
 
-@register("f1", key="score")
+@register("f1", key="score", needs_label=True)
 def f1_reward(response: str, label: Any, metadata: dict[str, Any] | None = None) -> dict[str, float]:
     """Token F1 against the best of one or more references; yes/no/noanswer must match exactly.
 

@@ -62,7 +62,7 @@ def judge_says_correct(reply: str) -> bool:
     return strip_think(reply).strip() == "1"
 
 
-@register("genrm")
+@register("genrm", needs_label=True, needs_one_of=("url", "judge"))
 def genrm_reward(
     response: str,
     label: Any,

@@ -8,7 +8,7 @@ from relax_rewards.builtin.multiple_choice import score_choice, valid_letters
 from relax_rewards.registry import register
 
 
-@register("gpqa")
+@register("gpqa", needs_label=True)
 def gpqa_reward(response: str, label: Any, metadata: dict[str, Any] | None = None) -> float:
     """1.0 when the chosen letter equals the label; GPQA has four options, so letters default to A-D.
 

@@ -9,7 +9,7 @@ from relax_rewards._text import after_think, last_boxed
 from relax_rewards.registry import register
 
 
-@register("math")
+@register("math", needs_label=True)
 def math_reward(response: str, label: Any, metadata: dict[str, Any] | None = None) -> float:
     """1.0 when the response's final answer equals the reference, else 0.0.
 

@@ -91,7 +91,7 @@ def score_choice(response: str, label: Any, metadata: dict[str, Any] | None, let
     return 1.0 if extract_choice(response, letters) == gold else 0.0
 
 
-@register("multiple_choice")
+@register("multiple_choice", needs_label=True)
 def multiple_choice_reward(response: str, label: Any, metadata: dict[str, Any] | None = None) -> float:
     """1.0 when the letter the response commits to equals the label, else 0.0 (letters from metadata)."""
     return score_choice(response, label, metadata, valid_letters(metadata))

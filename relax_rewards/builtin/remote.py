@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from typing import Any
 
 from relax_rewards.registry import register
@@ -39,7 +38,31 @@ def _parse_reply(body: Any, url: str) -> float | dict[str, float]:
     return numeric
 
 
-@register("remote", key="reward")
+class _Retryable(Exception):
+    """A failure worth another attempt: the service is down, busy or briefly broken."""
+
+
+def _post_once(url: str, payload: dict[str, Any], timeout_s: float, headers: dict[str, str] | None) -> Any:
+    """One POST; the parsed JSON reply of a 200, _Retryable for transient failures, else a clear error."""
+    import httpx
+
+    try:
+        resp = httpx.post(url, json=payload, timeout=timeout_s, headers=headers)
+    except httpx.HTTPError as e:  # connection refused, reset, timeout ...
+        raise _Retryable(f"{type(e).__name__}: {e}") from None
+    if resp.status_code in _RETRY_STATUS:
+        raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:200]}")
+    if resp.status_code != 200:
+        raise RuntimeError(
+            f"remote reward at {url} rejected the request: HTTP {resp.status_code}: {resp.text[:200]}"
+        )
+    try:
+        return resp.json()
+    except ValueError:
+        raise ValueError(f"remote reward at {url} replied non-JSON: {resp.text[:200]!r}") from None
+
+
+@register("remote", key="reward", needs_one_of=("url",))
 def remote_reward(
     response: str,
     label: Any,
@@ -55,42 +78,33 @@ def remote_reward(
 
     The reply is ``{"reward": x}`` (-> x), a bare number, or an object of numbers (-> that dict; the
     executor takes ``reward`` or the configured key). Connection errors, timeouts and HTTP
-    408/425/429/5xx are retried ``retries`` times with exponential backoff ``backoff_s * 2**attempt``;
-    other HTTP errors fail at once. ``url`` may also come from ``metadata["reward_url"]``.
+    408/425/429/5xx are retried ``retries`` times with exponential backoff ``backoff_s * 2**attempt``
+    (tenacity); other HTTP errors fail at once. ``url`` may also come from ``metadata["reward_url"]``.
     """
-    import httpx
+    from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
     md = metadata or {}
     url = url or md.get("reward_url")
     if not url:
         raise ValueError("remote reward needs a url: pass kwargs url='http://host:port/path'")
     payload = {"prompt": _jsonable(md.get("prompt")), "response": response, "label": _jsonable(label)}
-    last_error = ""
-    for attempt in range(max(0, int(retries)) + 1):
-        if attempt:
-            time.sleep(backoff_s * 2 ** (attempt - 1))
-        try:
-            resp = httpx.post(url, json=payload, timeout=timeout_s, headers=headers)
-        except httpx.HTTPError as e:  # connection refused, reset, timeout ...
-            last_error = f"{type(e).__name__}: {e}"
-            log.info("remote reward %s attempt %d failed: %s", url, attempt + 1, last_error)
-            continue
-        if resp.status_code in _RETRY_STATUS:
-            last_error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-            log.info("remote reward %s attempt %d failed: %s", url, attempt + 1, last_error)
-            continue
-        if resp.status_code != 200:
-            raise RuntimeError(
-                f"remote reward at {url} rejected the request: HTTP {resp.status_code}: {resp.text[:200]}"
-            )
-        try:
-            body = resp.json()
-        except ValueError:
-            raise ValueError(f"remote reward at {url} replied non-JSON: {resp.text[:200]!r}") from None
-        out = _parse_reply(body, url)
-        if isinstance(out, float) and not math.isfinite(out):
-            raise ValueError(f"remote reward at {url} replied a non-finite reward {out}")
-        return out
-    raise RuntimeError(
-        f"remote reward at {url} failed after {int(retries) + 1} attempts; last error: {last_error}"
+    attempts = max(0, int(retries)) + 1
+    retrying = Retrying(
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=backoff_s, min=0, max=float("inf")),
+        retry=retry_if_exception_type(_Retryable),
+        before_sleep=lambda state: log.info(
+            "remote reward %s attempt %d failed: %s", url, state.attempt_number, state.outcome.exception()
+        ),
     )
+    try:
+        body = retrying(_post_once, url, payload, timeout_s, headers)
+    except RetryError as err:
+        raise RuntimeError(
+            f"remote reward at {url} failed after {attempts} attempts; last error: "
+            f"{err.last_attempt.exception()}"
+        ) from None
+    out = _parse_reply(body, url)
+    if isinstance(out, float) and not math.isfinite(out):
+        raise ValueError(f"remote reward at {url} replied a non-finite reward {out}")
+    return out

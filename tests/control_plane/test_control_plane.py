@@ -14,9 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from relax_core.control_plane import check_security, create_app
+from relax_core.control_plane import create_app
 from relax_core.engines.http_server import ServerThread
 from relax_core.errors import RelaxUserError
+from relax_core.http_auth import check_security
 from relax_models.ports import free_port
 
 

@@ -3,20 +3,23 @@ SGLang / vLLM adapters (their runtimes need a GPU; what runs without one is test
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
+from engine_helpers import make_engine
 
 from relax_core.config import ModelConfig
 from relax_core.engines import build_engine
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.client import HttpEngine, save_weights_folder
-from relax_core.engines.http_server import ServerThread, create_app
+from relax_core.engines.http_server import ServerLimits, ServerThread, create_app
 from relax_core.engines.router import Router
 from relax_core.engines.sglang import launch_command, sglang_unavailable_reason
 from relax_core.engines.vllm import vllm_unavailable_reason
@@ -84,10 +87,12 @@ def test_abort_request_by_rid_over_http(server, tokenizer) -> None:
 
 
 def test_client_matches_in_process_engine_and_updates_weights(
-    server, tokenizer, model, tiny_model_dir, tmp_path
+    tokenizer, model, tiny_model_dir, tmp_path
 ) -> None:
-    url, engine = server
-    client = HttpEngine(url, base_model_path=str(tiny_model_dir))
+    engine = make_engine(tiny_model_dir, tokenizer, seed=3)
+    srv = ServerThread(create_app(engine, tokenizer, weights_dirs=[str(tmp_path)]))
+    url = srv.url
+    client = HttpEngine(url, base_model_path=str(tiny_model_dir), weights_dir=str(tmp_path))
     requests = [GenerationRequest(tokenizer(p).input_ids, p) for p in ["sort 12:", "sort 9876:", "ab"]]
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0, n=2)
     remote = client.generate(requests, greedy)
@@ -107,8 +112,111 @@ def test_client_matches_in_process_engine_and_updates_weights(
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     bad = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path / "nothing")})
     assert bad.status_code == 400
+    # names and shapes are checked: an unknown tensor or a wrong shape is refused, nothing is loaded
+    for name, change in [
+        ("extra", {"not.a.weight": torch.zeros(2)}),
+        ("shape", {"lm_head.weight": torch.zeros(3, 3)}),
+    ]:
+        folder = save_weights_folder(state | change, None, tmp_path / name)
+        refused = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(folder)})
+        assert refused.status_code == 400 and ("does not have" in refused.text or "shape" in refused.text)
+    partial = save_weights_folder({"lm_head.weight": state["lm_head.weight"]}, None, tmp_path / "partial")
+    refused = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(partial)})
+    assert refused.status_code == 400 and "missing" in refused.text
+    assert engine.weight_version == 3
+    # only the allowed folders load
+    outside = save_weights_folder(state, None, tmp_path.parent / f"{tmp_path.name}-outside")
+    refused = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(outside)})
+    assert refused.status_code == 403 and "outside" in refused.text
+    odd = httpx.post(
+        f"{url}/update_weights_from_disk", json={"model_path": str(folder), "weight_version": "x"}
+    )
+    assert odd.status_code == 422 and "weight_version" in odd.text
     assert client.health()
     client.shutdown()
+    srv.stop()
+
+
+def test_every_request_is_answered_with_a_reason(server, tokenizer, tiny_model_dir) -> None:
+    url, engine = server
+    ids = tokenizer("sort 5:").input_ids
+    context = engine.model.config.max_position_embeddings
+
+    def generate(http: httpx.Client, body: dict) -> httpx.Response:
+        return http.post("/generate", json={"sampling_params": {"max_new_tokens": 2}} | body)
+
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for bad_ids in ([999999], [-5], [[1, 2], [3, 10**9]]):
+            reply = generate(http, {"input_ids": bad_ids})
+            assert reply.status_code == 400 and "outside the vocabulary" in reply.text, reply.text
+        huge = generate(http, {"input_ids": ids, "sampling_params": {"max_new_tokens": 100000}})
+        assert huge.status_code == 400 and f"context of {context}" in huge.text
+        many = generate(http, {"input_ids": ids, "sampling_params": {"n": engine.max_running + 1}})
+        assert many.status_code == 400 and "--max-running" in many.text
+        rids = generate(http, {"text": ["a", "b"], "rid": ["only-one"]})
+        assert rids.status_code == 400 and "rid has 1 entries for 2 prompts" in rids.text
+        assert http.post("/pause_generation", json={"mode": "sideways"}).status_code == 422
+        assert generate(http, {"input_ids": ids}).status_code == 200
+        assert engine.cache_bytes() > 0
+
+    # a job that fails inside the engine (no limits: the bad id reaches the model) answers with its error
+    bare = make_engine(tiny_model_dir, tokenizer, seed=3)
+    srv = ServerThread(create_app(bare, tokenizer, limits=ServerLimits()))
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        failed = generate(http, {"input_ids": [999999]})
+        assert failed.status_code == 500 and "IndexError" in failed.text
+        assert generate(http, {"input_ids": ids}).status_code == 200  # and the engine serves on
+    srv.stop()
+
+
+def test_kv_cache_stays_within_its_budget(tiny_model_dir, tokenizer) -> None:
+    engine = make_engine(tiny_model_dir, tokenizer, seed=3)
+    limits = ServerLimits.of(engine, kv_cache_gb=0)
+    one_request = 4 * 40 * limits.kv_bytes_per_token  # n=4 samples of 40 positions
+    limits.kv_budget_bytes = one_request
+    srv = ServerThread(create_app(engine, tokenizer, limits=limits))
+    ids = tokenizer("sort 12345:").input_ids
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        over = http.post(
+            "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 40, "n": 4}}
+        )
+        assert over.status_code == 400 and "--kv-cache-gb" in over.text
+        fits = {"input_ids": ids, "sampling_params": {"max_new_tokens": 40 - len(ids), "n": 4}}
+        assert http.post("/generate", json=fits).status_code == 200
+    # the engine rounds its cache up (8 slots, 64 positions): once idle, the excess is given back
+    deadline = time.monotonic() + 30
+    while engine.cache_bytes() > limits.kv_budget_bytes:
+        assert time.monotonic() < deadline, engine.cache_bytes()
+        time.sleep(0.05)
+    srv.stop()
+
+
+def test_token_guards_every_endpoint(tiny_model_dir, tokenizer) -> None:
+    engine = make_engine(tiny_model_dir, tokenizer, seed=3)
+    srv = ServerThread(create_app(engine, tokenizer, token="s3cret"))
+    assert httpx.get(f"{srv.url}/health").status_code == 401
+    assert httpx.post(f"{srv.url}/update_weights_from_disk", json={"model_path": "/"}).status_code == 401
+    assert httpx.get(f"{srv.url}/health", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    srv.stop()
+    exposed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relax_core.engines.http_server",
+            "--model",
+            str(tiny_model_dir),
+            "--host",
+            "0.0.0.0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in __import__("os").environ.items() if k != "RELAX_ENGINE_TOKEN"},
+    )
+    assert exposed.returncode == 1
+    assert exposed.stderr.strip().splitlines()[-1] == (
+        "error: --host='0.0.0.0' is reachable from other machines: set --token (or RELAX_ENGINE_TOKEN)"
+    )
 
 
 def test_concurrent_requests_share_decode_steps(server, tokenizer) -> None:
@@ -179,9 +287,25 @@ def test_standalone_server_one_command(tiny_model_dir, tokenizer) -> None:
             time.sleep(0.5)
         [result] = client.generate([GenerationRequest(tokenizer("sort 5:").input_ids)], SamplingParams(4))
         assert 1 <= len(result.output_ids) <= 4 and len(result.logprobs) == len(result.output_ids)
+        # a request stuck in a paused engine does not keep SIGTERM from stopping the server
+        client.pause()
+        stuck: dict = {}
+        waiter = threading.Thread(
+            target=lambda: stuck.update(
+                reply=client.generate([GenerationRequest([5, 6], "stuck")], SamplingParams(4))
+            )
+        )
+        waiter.start()
+        while client.http.get("/get_model_info").json()["num_running"] < 1:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn re-raises the signal once it has shut down; the stuck request was answered first
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+        waiter.join(timeout=60)
+        assert stuck["reply"][0].finish_reason == "abort"
         client.shutdown()
     finally:
-        proc.terminate()
+        proc.kill()
         proc.wait(timeout=30)
 
 

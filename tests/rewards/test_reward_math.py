@@ -117,22 +117,28 @@ def test_dapo_strict_box_needs_a_box_at_the_end() -> None:
     assert strict(r"\boxed{999}", "1000") == {"score": -1.0, "acc": 0.0, "pred": "999"}
 
 
-def test_openr1mm_format_and_accuracy() -> None:
+def test_openr1mm_scores_one_or_zero_and_rejects_repeated_tags() -> None:
     r1 = relax_rewards.get("openr1mm")
     ok = "<think>There are 3 red and 4 blue.</think>\n<answer>7</answer>"
-    assert r1(ok, "7") == {"score": 2.0, "acc": 1.0, "format": 1.0}
-    assert r1(ok, "8") == {"score": 1.0, "acc": 0.0, "format": 1.0}
+    assert r1(ok, "7") == {"score": 1.0, "acc": 1.0, "format": 1.0}
+    assert r1(ok, "8") == {"score": 0.0, "acc": 0.0, "format": 1.0}
     no_format = "There are 7 cars. <answer>7</answer>"
     assert r1(no_format, "7") == {"score": 1.0, "acc": 1.0, "format": 0.0}
-    two_thinks = "<think>a</think><think>b</think><answer>7</answer>"
-    assert r1(two_thinks, "7")["format"] == 0.0
     trailing = "<think>a</think><answer>7</answer> extra"
     assert r1(trailing, "7")["format"] == 0.0
+    for repeated in [
+        "<think>a</think><think>b</think><answer>7</answer>",
+        "<think>a</think><answer>3</answer><answer>7</answer>",
+        "<think>a</think><answer>7</answer></answer>",
+    ]:
+        assert r1(repeated, "7") == {"score": 0.0, "acc": 0.0, "format": 0.0}, repeated
     # math equivalence and free-text fallback
     assert r1(r"<think>x</think><answer>\frac{1}{2}</answer>", "0.5")["acc"] == 1.0
     assert r1("<think>x</think><answer>A red car.</answer>", "a red car")["acc"] == 1.0
     assert r1("<think>x</think><answer>a blue car</answer>", "a red car")["acc"] == 0.0
+    # the format bonus is opt-in
     assert r1(ok, "7", format_weight=0.5)["score"] == 1.5
+    assert r1(ok, "8", format_weight=0.5)["score"] == 0.5
 
 
 @pytest.mark.parametrize(

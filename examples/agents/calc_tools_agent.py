@@ -1,0 +1,121 @@
+"""An agent program written the common way, with the ``openai`` SDK's function calling, trained by Relax.
+
+Run by the launcher (``python -m relax_launch experiment=agent_tools_calc``), which sets
+``OPENAI_BASE_URL`` (the policy under training) and ``RELAX_EPISODES_URL`` (where episodes come from).
+Each episode is a question such as ``7+5``. The program offers one function, ``calc(expr)``; when the model
+calls it, the program runs it and sends the result back as a ``tool`` message; a reply without a call is
+the final answer. Reward 1 for the right final answer given after a calculator call.
+``RELAX_AGENT_STREAM=1`` reads every reply as a stream of chunks instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.request
+
+from openai import OpenAI
+
+BASE_URL = os.environ["OPENAI_BASE_URL"].rstrip("/")
+EPISODES_URL = os.environ.get("RELAX_EPISODES_URL", f"{BASE_URL}/episodes/next")
+STREAM = os.environ.get("RELAX_AGENT_STREAM") == "1"
+MAX_TURNS = 3
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate an integer expression with +, - and *.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expr": {"type": "string"}},
+                "required": ["expr"],
+            },
+        },
+    }
+]
+TERM = re.compile(r"^\d+([+\-*]\d+)*$")
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request) as reply:
+        return json.loads(reply.read())
+
+
+def calculate(expr: str) -> str:
+    """``a op b op c`` with +, -, * and the usual precedence (no eval of model text)."""
+    if not TERM.match(expr):
+        return "error"
+    total = 0
+    for term in re.findall(r"[+-]?[^+-]+", expr):
+        product = 1
+        for factor in term.lstrip("+-").split("*"):
+            product *= int(factor)
+        total += -product if term.startswith("-") else product
+    return str(total)
+
+
+def ask(client: OpenAI, session_id: str, messages: list[dict]) -> dict:
+    """The model's next message as a dict: ``content`` and the ``tool_calls`` it made."""
+    if not STREAM:
+        reply = client.chat.completions.create(
+            model="policy", messages=messages, tools=TOOLS, user=session_id
+        )
+        message = reply.choices[0].message
+        calls = [c.model_dump() for c in message.tool_calls or []]
+        return {"role": "assistant", "content": message.content, "tool_calls": calls}
+    content, calls = "", {}
+    chunks = client.chat.completions.create(
+        model="policy", messages=messages, tools=TOOLS, user=session_id, stream=True
+    )
+    for chunk in chunks:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is None:
+            continue
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(
+                call.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            entry["id"] = call.id or entry["id"]
+            if call.function is not None:
+                entry["function"]["name"] += call.function.name or ""
+                entry["function"]["arguments"] += call.function.arguments or ""
+    return {"role": "assistant", "content": content or None, "tool_calls": [calls[i] for i in sorted(calls)]}
+
+
+def play(client: OpenAI, episode: dict) -> None:
+    """One episode: up to MAX_TURNS model turns, then the reward goes back to the trainer."""
+    session_id, messages = episode["session_id"], list(episode["messages"])
+    tool_calls, correct = 0, False
+    for _ in range(MAX_TURNS):
+        message = ask(client, session_id, messages)
+        if not message["tool_calls"]:  # the final answer
+            correct = tool_calls > 0 and (message["content"] or "").strip() == str(episode["label"])
+            break
+        messages.append(message)
+        for call in message["tool_calls"]:
+            tool_calls += 1
+            try:
+                expr = str(json.loads(call["function"]["arguments"]).get("expr", ""))
+            except (ValueError, AttributeError):
+                expr = ""
+            result = calculate(expr) if call["function"]["name"] == "calc" else "error"
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    metrics = {"acc": float(correct), "tool_called": float(tool_calls > 0)}
+    post(f"{BASE_URL}/sessions/{session_id}/reward", {"reward": float(correct), "metrics": metrics})
+
+
+def main() -> None:
+    client = OpenAI()  # reads OPENAI_BASE_URL and OPENAI_API_KEY
+    while True:
+        episode = post(EPISODES_URL, {})
+        if episode["done"]:
+            return
+        play(client, episode)
+
+
+if __name__ == "__main__":
+    main()

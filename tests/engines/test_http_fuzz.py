@@ -1,0 +1,179 @@
+"""Schema-driven HTTP fuzzing (schemathesis) of every HTTP surface: the engine server, the agent endpoint and
+the control plane, each served by uvicorn on 127.0.0.1 from its own OpenAPI schema.
+
+Valid (positive) and malformed (negative) requests are generated per operation; every answer must be a
+2xx, or a 4xx whose JSON ``detail`` says what is wrong: never a 5xx, never silence. Then the surface must
+still work. The number of cases is bounded (``CASES_PER_MODE`` per operation and mode) and printed.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import schemathesis
+from engine_helpers import make_engine
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+
+from relax_core.agentic.server import AgentServer, TrajectoryStore, build_app
+from relax_core.control_plane import create_app as control_plane_app
+from relax_core.engines.base import SamplingParams
+from relax_core.engines.http_server import ServerThread
+from relax_core.engines.http_server import create_app as engine_app
+
+CASES_PER_MODE = 25
+
+
+def fuzz(
+    url: str, modes=("positive", "negative"), skip: tuple[str, ...] = (), after=None
+) -> tuple[int, list]:
+    """Run the generated cases of every operation of ``url``'s schema; (cases run, bad answers)."""
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    count, bad = 0, []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if operation.path in skip:
+            continue
+        # a request with nothing in it (GET /health) cannot be malformed
+        has_inputs = bool(list(operation.iter_parameters()) or operation.get_request_payload_content_types())
+        for mode in modes if has_inputs else ("positive",):
+            strategy = operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode))
+
+            @settings(
+                max_examples=CASES_PER_MODE,
+                deadline=None,
+                database=None,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
+            @given(case=strategy)
+            def run(case) -> None:
+                nonlocal count
+                count += 1
+                response = case.call(base_url=url, timeout=60)
+                detail = None
+                try:
+                    detail = response.json().get("detail")
+                except (ValueError, AttributeError):
+                    pass
+                if response.status_code >= 500 or (response.status_code >= 400 and not detail):
+                    bad.append((case.method, case.path, case.body, response.status_code, response.text[:200]))
+                if after is not None:
+                    after()
+
+            try:
+                run()
+            except Unsatisfiable:  # nothing in this operation can be malformed (e.g. a free-form path id)
+                pass
+    return count, bad
+
+
+@pytest.fixture(scope="module")
+def counts():
+    seen: dict[str, int] = {}
+    yield seen
+    print(f"\nHTTP fuzz cases run: {seen} (total {sum(seen.values())})")
+
+
+def test_engine_server_answers_every_generated_request(tiny_model_dir, tokenizer, tmp_path, counts):
+    engine = make_engine(tiny_model_dir, tokenizer, seed=3, max_running=16)
+    app = engine_app(engine, tokenizer, str(tiny_model_dir), weights_dirs=[str(tmp_path)])
+    server = ServerThread(app)
+    try:
+        # a pause would hold later /generate calls until someone resumes: the fuzzer resumes after each case
+        count, bad = fuzz(server.url, after=lambda: httpx.post(f"{server.url}/continue_generation"))
+        counts["engine server"] = count
+        assert not bad, bad[:5]
+        reply = httpx.post(f"{server.url}/generate", json={"text": "sort 21:"}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] > 0
+    finally:
+        server.stop()
+        app.state.loop.stop()
+
+
+def test_agent_endpoint_answers_every_generated_request(tiny_model_dir, tokenizer, counts):
+    engine = make_engine(tiny_model_dir, tokenizer, seed=3)
+    store = TrajectoryStore()
+    app = build_app(engine, tokenizer, SamplingParams(max_new_tokens=8), store, max_context_len=256)
+    with AgentServer(app) as server:
+        count, bad = fuzz(server.url)
+        counts["agent endpoint"] = count
+        assert not bad, bad[:5]
+        reply = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "user": "after-fuzz"},
+            timeout=60,
+        )
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_control_plane_answers_every_generated_request(counts):
+    server = ServerThread(control_plane_app(lambda: None, lambda: {"step": 1}))
+    try:
+        count, bad = fuzz(server.url)
+        counts["control plane"] = count
+        assert not bad, bad[:5]
+        assert httpx.get(f"{server.url}/health").json()["step"] == 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_training_run_keeps_training_while_its_endpoints_are_fuzzed(tmp_path, counts):
+    """A real run (agent program, control plane on): malformed requests to its control plane and agent
+    endpoint get 4xx while it trains, and it finishes every step. Only malformed bodies are sent: valid
+    ones would really scale the run or take its episodes."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    steps = 6
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "relax_launch",
+            f"hydra.run.dir={tmp_path}",
+            "logger=jsonl",
+            "experiment=agent_program_calc",
+            f"rollout.agent.command=[{sys.executable},{root / 'examples' / 'agents' / 'calc_agent.py'}]",
+            "control_plane.enabled=true",
+            f"trainer.total_steps={steps}",
+            "trainer.sft_warmup_steps=0",
+            "trainer.eval_every=0",
+            "rollout.batch_size=4",
+            "rollout.n_samples_per_prompt=4",
+            "rollout.agent.num_workers=4",
+            "data.num_eval=4",
+        ],
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "job.log", "w"),  # noqa: SIM115
+    )
+    try:
+        files = [tmp_path / "control_plane.json", tmp_path / "agent_logs" / "endpoint.json"]
+        deadline = time.monotonic() + 600
+        while not all(f.is_file() for f in files):
+            assert job.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run's endpoints did not come up"
+            time.sleep(0.5)
+        control, agent = (json.loads(f.read_text())["url"] for f in files)
+        for name, url, skip in [
+            ("live control plane", control, ()),
+            ("live agent endpoint", agent, ("/v1/episodes/next",)),
+        ]:
+            count, bad = fuzz(url, modes=("negative",), skip=skip)
+            counts[name] = count
+            assert not bad, bad[:5]
+        assert job.wait(timeout=900) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        job.kill()
+        job.wait()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert summary["status"] == "finished"
+    assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, steps + 1))
