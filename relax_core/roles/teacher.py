@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -75,7 +76,7 @@ def check_tokenizer_match(student_path: str, teacher_path: str) -> None:
 def teacher_recipe(teacher_cfg, data_cfg, seed: int) -> dict:
     """Everything that determines the default teacher's weights (its cache key)."""
     return {
-        "version": 1,
+        "version": 2,  # 2: trained through TorchBackend (linear decay to a tenth, AdamW foreach)
         "task": data_cfg.synthetic,
         "min_digits": data_cfg.min_digits,
         "max_digits": data_cfg.max_digits,
@@ -145,12 +146,12 @@ def train_task_teacher(teacher_cfg, data_cfg, seed: int, folder: Path) -> dict:
     Loss: token-mean negative log-likelihood of ``label + <eos>`` after the rendered prompt — the same
     prompt text the student sees (``relax_core.data.render_prompt``). Returns accuracy and timing.
     """
-    from relax_core.algorithms.logprobs import token_logprobs_and_entropy
     from relax_core.algorithms.masked import masked_mean
+    from relax_core.backends.torch_backend import TorchBackend
     from relax_core.data import render_prompt
     from relax_core.samples import Sample
     from relax_core.synthetic import SYNTHETIC_TASKS
-    from relax_models.loader import load_causal_lm, load_tokenizer
+    from relax_models.loader import load_tokenizer
     from relax_models.tiny import build_tiny_qwen3
 
     start = time.perf_counter()
@@ -173,17 +174,31 @@ def train_task_teacher(teacher_cfg, data_cfg, seed: int, folder: Path) -> dict:
     )
     (folder / "relax_tiny.json").unlink(missing_ok=True)
     tokenizer = load_tokenizer(str(folder))
-    model = load_causal_lm(str(folder))
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=teacher_cfg.train_lr)
     steps = max(teacher_cfg.train_steps, 1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - 0.9 * min(s / steps, 1.0))
+    # AdamW (torch defaults) with the learning rate decaying linearly to a tenth over the steps
+    optimizer_cfg = SimpleNamespace(
+        lr=teacher_cfg.train_lr,
+        weight_decay=0.01,
+        betas=(0.9, 0.999),
+        grad_clip=1.0,
+        lr_decay="linear",
+        lr_warmup_steps=0,
+        min_lr_ratio=0.1,
+        total_steps=steps,
+    )
+    model_cfg = SimpleNamespace(
+        family="qwen3", dtype="float32", attn_implementation="sdpa", gradient_checkpointing=False
+    )
+    backend = TorchBackend(str(folder), optimizer_cfg, model_cfg)
     rng = random.Random(seed + 12345)
     eos = tokenizer.eos_token_id
 
     def encode(row: dict) -> tuple[list[int], list[int]]:
         prompt = tokenizer(render_prompt(row["prompt"], tokenizer, data_cfg), add_special_tokens=False)
         return prompt.input_ids, tokenizer(str(row["label"]), add_special_tokens=False).input_ids + [eos]
+
+    def nll(micro: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor):
+        return -masked_mean(logprobs, micro.loss_mask), {}
 
     torch.manual_seed(seed)
     loss_value = float("nan")
@@ -193,18 +208,10 @@ def train_task_teacher(teacher_cfg, data_cfg, seed: int, folder: Path) -> dict:
             prompt_ids, target = encode(make_row(rng, data_cfg))
             samples.append(Sample(i, 0, prompt_ids, target, [0.0] * len(target), [1] * len(target)))
         batch = TrainBatch.from_samples(samples, tokenizer.pad_token_id)
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        logprobs, _ = token_logprobs_and_entropy(logits, batch)
-        loss = -masked_mean(logprobs, batch.loss_mask)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        loss_value = float(loss.detach())
+        loss_value = backend.train_step(batch, nll, micro_batch_size=len(batch))["loss"]
+    model = backend.model
     model.eval()
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    backend.export_hf(str(folder))
     accuracy = greedy_accuracy(model, tokenizer, [make_row(rng, data_cfg) for _ in range(64)], encode)
     report = {
         "final_nll": loss_value,
