@@ -73,6 +73,8 @@ def validate_or_complete(overrides: list[str]) -> None:
         except RelaxUserError as err:
             message = str(err)
         assert "\n" not in message
+        if "reward.kwargs.url" in message:  # a judge/remote reward: completing it needs a live server
+            return
         added = len(extra)
         if "model.path" in message and not any(e.startswith("model.path=") for e in extra):
             extra.append("model.path=/data/checkpoint")  # validate checks the choice, not the folder
