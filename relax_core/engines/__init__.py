@@ -2,29 +2,10 @@
 
 from __future__ import annotations
 
-from relax_core.engines.base import RolloutEngine
+from relax_core.engines.base import RolloutEngine, engine_dtype
 from relax_core.errors import RelaxUserError
 
 ENGINES = ["torch", "sglang", "vllm"]
-
-
-def engine_dtype(name: str):
-    """``rollout.dtype``: float32, bfloat16, float16, or auto (bf16 where the CPU has AVX-512 BF16 / on GPU)."""
-    import torch
-
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.bfloat16
-        try:
-            flags = open("/proc/cpuinfo").read()
-        except OSError:
-            flags = ""
-        return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
-    from relax_models.loader import DTYPES
-
-    if name not in DTYPES:
-        raise RelaxUserError(f"rollout.dtype={name!r} is not one of {sorted(DTYPES) + ['auto']}")
-    return DTYPES[name]
 
 
 def build_engine(

@@ -14,7 +14,7 @@ import importlib.util
 import sys
 
 from relax_core.config import RolloutConfig
-from relax_core.engines import engine_dtype
+from relax_core.engines.base import engine_dtype
 from relax_core.engines.client import WEIGHT_TRANSFERS, HttpEngine
 from relax_core.engines.server_process import ServerProcess
 from relax_core.errors import RelaxUserError
