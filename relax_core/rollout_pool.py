@@ -332,7 +332,7 @@ class RolloutPool(RoleGroup):
     def _disk_folder(self, version: int) -> str:
         """The weights of ``version`` as an HF folder under the run dir (external engines load it by path)."""
         if self._disk_path is None or self._disk_path[0] != version:
-            state = ray.get(self.transfer.source.actors[0].state_dict.remote())
+            state = ray.get(self.transfer.source.call("state_dict"))[0]  # collective on sharded Actors
             self._disk_path = (version, self._disk.send(state, version))
         return self._disk_path[1]
 

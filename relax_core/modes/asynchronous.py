@@ -161,7 +161,7 @@ class AsyncMode(Mode):
     def _connect_weights(self) -> None:
         roles = self.roles
         followers = list(roles.rollout.actors) + (list(roles.actor_fwd.actors) if roles.actor_fwd else [])
-        layout = ray.get(roles.actor.actors[0].weights_layout.remote())
+        layout = ray.get(roles.actor.call("weights_layout"))[0]  # collective on sharded Actors
         consumers = followers + (list(roles.reference.actors) if self.ref_every else [])
         strategy = choose_strategy(self.cfg.weight_transfer.name, "async", roles.actor, consumers, layout)
         self.transfer = WeightTransfer(

@@ -88,7 +88,7 @@ class ColocateMode(Mode):
             self.roles.teacher = RoleGroup(
                 Teacher, "teacher", 1, self.pg, [0], t.num_cpus, t.num_gpus, teacher_args
             )
-        layout = ray.get(self.roles.actor.actors[0].weights_layout.remote())
+        layout = ray.get(self.roles.actor.call("weights_layout"))[0]  # collective on sharded Actors
         strategy = choose_strategy(
             cfg.weight_transfer.name, "colocate", self.roles.actor, pool.actors, layout
         )

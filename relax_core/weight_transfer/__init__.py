@@ -43,7 +43,8 @@ class WeightTransfer:
     @property
     def layout(self) -> Layout:
         if self._layout is None:
-            self._layout = ray.get(self.source.actors[0].weights_layout.remote())
+            # gathering the weights is collective on sharded (FSDP / megatron) Actors: every rank takes part
+            self._layout = ray.get(self.source.call("weights_layout"))[0]
         return self._layout
 
     def _spec(self, name: str, members: int) -> Any:
@@ -124,7 +125,8 @@ class WeightTransfer:
             # a broadcast group has fixed members: a newcomer gets the weights through the object store
             latest = self._latest[0] if self._latest else 0
             v = latest if version is None else version
-            return consumer.weights_receive.remote(None, self.source.actors[0].state_dict.remote(), v)
+            weights = self.source.call("state_dict")[0]  # every rank gathers; rank 0 returns the weights
+            return consumer.weights_receive.remote(None, weights, v)
         v, payload = self._latest
         key = f"{self.strategy}:policy"
         ray.get(consumer.weights_connect.remote(key, self.strategy, self._spec("policy", 0), 1))
