@@ -128,7 +128,9 @@ def test_elastic_scaling_while_training(tmp_path: Path) -> None:
         port = free_port()
         engine_server = subprocess.Popen(
             [sys.executable, "-m", "relax_core.engines.http_server", "--model", str(run_dir / "model_init")]
-            + ["--port", str(port), "--threads", "1"],
+            + ["--port", str(port), "--threads", "1"]
+            # the run publishes weight folders under its run dir: the server may load only from there
+            + ["--weights-dir", str(run_dir / "rollout_weights")],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
