@@ -10,6 +10,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from relax_core.engines.client import WEIGHT_TRANSFERS, HttpEngine
+from relax_core.errors import RelaxUserError
+
 
 class ServerProcess:
     def __init__(self, command: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> None:
@@ -74,3 +77,42 @@ def group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(entry.name))
     return members
+
+
+def check_server_weight_update(value: str) -> None:
+    """``rollout.server_weight_update`` names a way the server can load weights (checked before it starts)."""
+    if value not in WEIGHT_TRANSFERS:
+        raise RelaxUserError(f"rollout.server_weight_update={value!r} is not one of {WEIGHT_TRANSFERS}")
+
+
+class ServerEngine(HttpEngine):
+    """An :class:`HttpEngine` whose server is a child process this engine started (vLLM, SGLang): healthy
+    while the process lives and answers; shutdown stops the whole process group."""
+
+    def __init__(
+        self,
+        server: ServerProcess,
+        port: int,
+        model_path: str,
+        weight_transfer: str,
+        server_world_size: int,
+        what: str,
+        startup_timeout_s: float,
+    ) -> None:
+        self.server = server
+        super().__init__(
+            f"http://127.0.0.1:{port}",
+            base_model_path=model_path,
+            weight_transfer=weight_transfer,
+            server_world_size=server_world_size,
+        )
+        server.wait_healthy(super().health, f"{what} server for {model_path}", startup_timeout_s)
+
+    def health(self) -> bool:
+        return self.server.alive() and super().health()
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self.server.stop()

@@ -15,8 +15,7 @@ import sys
 
 from relax_core.config import RolloutConfig
 from relax_core.engines.base import engine_dtype
-from relax_core.engines.client import WEIGHT_TRANSFERS, HttpEngine
-from relax_core.engines.server_process import ServerProcess
+from relax_core.engines.server_process import ServerEngine, ServerProcess, check_server_weight_update
 from relax_core.errors import RelaxUserError
 from relax_models.ports import free_port
 
@@ -51,7 +50,7 @@ def launch_command(
     return command + list(extra or [])
 
 
-class SGLangEngine(HttpEngine):
+class SGLangEngine(ServerEngine):
     """Starts an SGLang server subprocess and talks to it over its native HTTP API."""
 
     def __init__(
@@ -68,12 +67,9 @@ class SGLangEngine(HttpEngine):
         reason = sglang_unavailable_reason()
         if reason:
             raise RelaxUserError(f"rollout.engine=sglang cannot start: {reason}")
-        if weight_transfer not in WEIGHT_TRANSFERS:
-            raise RelaxUserError(
-                f"rollout.server_weight_update={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}"
-            )
+        check_server_weight_update(weight_transfer)
         port = free_port()
-        self.server = ServerProcess(
+        server = ServerProcess(
             launch_command(
                 model_path,
                 port,
@@ -85,12 +81,8 @@ class SGLangEngine(HttpEngine):
             )
         )
         super().__init__(
-            f"http://127.0.0.1:{port}",
-            base_model_path=model_path,
-            weight_transfer=weight_transfer,
-            server_world_size=tensor_parallel_size,
+            server, port, model_path, weight_transfer, tensor_parallel_size, "SGLang", startup_timeout_s
         )
-        self.server.wait_healthy(super().health, f"SGLang server for {model_path}", startup_timeout_s)
 
     @classmethod
     def from_config(cls, model_path: str, seed: int, rollout_cfg: RolloutConfig | None) -> SGLangEngine:
@@ -104,12 +96,3 @@ class SGLangEngine(HttpEngine):
             memory_fraction=r.memory_fraction,
             weight_transfer=r.server_weight_update,
         )
-
-    def health(self) -> bool:
-        return self.server.alive() and super().health()
-
-    def shutdown(self) -> None:
-        try:
-            super().shutdown()
-        finally:
-            self.server.stop()

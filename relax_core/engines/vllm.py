@@ -22,8 +22,7 @@ import torch
 
 from relax_core.config import RolloutConfig
 from relax_core.engines.base import engine_dtype
-from relax_core.engines.client import WEIGHT_TRANSFERS, HttpEngine
-from relax_core.engines.server_process import ServerProcess
+from relax_core.engines.server_process import ServerEngine, ServerProcess, check_server_weight_update
 from relax_core.errors import RelaxUserError
 from relax_models.ports import free_port
 
@@ -71,7 +70,7 @@ def logprobs_mode(temperature: float, top_p: float, top_k: int) -> str:
     return "raw_logprobs" if truncates and temperature == 1.0 else "processed_logprobs"
 
 
-class VLLMEngine(HttpEngine):
+class VLLMEngine(ServerEngine):
     """A vLLM server subprocess (see the module docstring) driven through the SGLang-compatible client."""
 
     def __init__(
@@ -88,10 +87,7 @@ class VLLMEngine(HttpEngine):
         startup_timeout_s: float = 600.0,
         enforce_eager: bool | None = None,
     ) -> None:
-        if weight_transfer not in WEIGHT_TRANSFERS:
-            raise RelaxUserError(
-                f"rollout.server_weight_update={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}"
-            )
+        check_server_weight_update(weight_transfer)
         python = vllm_python(python)
         port = free_port()
         command = [python, "-m", "relax_core.engines.vllm_server", "--model", model_path, "--port", str(port)]
@@ -108,14 +104,10 @@ class VLLMEngine(HttpEngine):
         # torch.compile takes minutes on a small CPU and buys little there: eager unless on a GPU
         if enforce_eager if enforce_eager is not None else not torch.cuda.is_available():
             command.append("--enforce-eager")
-        self.server = ServerProcess(command, env=_server_env(num_threads), cwd=str(REPO_ROOT))
+        server = ServerProcess(command, env=_server_env(num_threads), cwd=str(REPO_ROOT))
         super().__init__(
-            f"http://127.0.0.1:{port}",
-            base_model_path=model_path,
-            weight_transfer=weight_transfer,
-            server_world_size=tensor_parallel_size,
+            server, port, model_path, weight_transfer, tensor_parallel_size, "vLLM", startup_timeout_s
         )
-        self.server.wait_healthy(super().health, f"vLLM server for {model_path}", startup_timeout_s)
 
     @classmethod
     def from_config(cls, model_path: str, seed: int, rollout_cfg: RolloutConfig | None) -> VLLMEngine:
@@ -132,15 +124,6 @@ class VLLMEngine(HttpEngine):
             weight_transfer=r.server_weight_update,
             num_threads=r.num_threads,
         )
-
-    def health(self) -> bool:
-        return self.server.alive() and super().health()
-
-    def shutdown(self) -> None:
-        try:
-            super().shutdown()
-        finally:
-            self.server.stop()
 
 
 def _server_env(num_threads: int) -> dict[str, str]:
