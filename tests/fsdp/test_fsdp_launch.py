@@ -13,22 +13,11 @@ import pytest
 
 from relax_core.errors import RelaxUserError
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "resilience"))
+from resilience_helpers import TINY_RUN  # noqa: E402
+
 # the resilience tests' tiny run (2 warm-start steps, 4 prompts x 4 samples per RL step) on 2 FSDP ranks
-TINY_FSDP_RUN = [
-    "trainer=fsdp",
-    "trainer.dp_size=2",
-    "trainer.sft_warmup_steps=2",
-    "trainer.sft_batch_size=16",
-    "rollout.batch_size=4",
-    "rollout.n_samples_per_prompt=4",
-    "data.num_train=64",
-    "data.num_eval=8",
-    "trainer.eval_every=0",
-    "logger=jsonl",
-    "cluster.num_cpus=4",
-    "rollout.num_threads=1",
-    "trainer.num_threads=1",
-]
+TINY_FSDP_RUN = ["trainer=fsdp", "trainer.dp_size=2", *TINY_RUN]
 
 
 def _launch(run_dir: Path, overrides: list[str]) -> dict:
