@@ -37,6 +37,7 @@ class WeightTransfer:
         self.sets: dict[str, list[Any]] = {}
         self.stats = TransferStats()
         self._latest: tuple[int, Any] | None = None  # (version, payload ref) of the newest publish
+        self._sent_bytes: ray.ObjectRef | None = None  # what the newest publish moved (the source says)
         self._tag = f"relax-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._layout: Layout | None = None
 
@@ -103,7 +104,7 @@ class WeightTransfer:
         for name, key in zip(names, keys, strict=True):
             refs += [c.weights_receive.remote(key, arg, version) for c in self.sets[name]]
         self._latest = (version, payload)
-        self._pending = (version, sent_bytes, time.perf_counter())
+        self._sent_bytes = sent_bytes
         return refs
 
     def publish(self, version: int, names: tuple[str, ...] = ("policy",)) -> TransferStats:
@@ -116,7 +117,7 @@ class WeightTransfer:
 
     def finished(self, version: int, seconds: float) -> None:
         """Record the stats of a publish whose refs have all completed."""
-        sent = ray.get(self._pending[1]) if getattr(self, "_pending", None) else 0
+        sent = ray.get(self._sent_bytes) if self._sent_bytes is not None else 0
         self.stats = TransferStats(version, int(sent), seconds)
 
     def deliver(self, consumer: Any, version: int | None = None) -> ray.ObjectRef:
