@@ -8,6 +8,7 @@ config rules and the warm-start layout are checked in-process.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -205,5 +206,7 @@ def test_function_calling_agent_trains_with_streamed_tool_calls(tmp_path):
     for s in solved:  # the model's call, the tool's result (masked), the model's answer
         assert [seg["mask"] for seg in s["segments"]] == [1, 0, 1], s
         call, result, answer = (seg["text"] for seg in s["segments"])
-        assert call.startswith('<tool_call>{"name":"calc","arguments":{"expr":') and call.endswith("<eos>")
+        # a sampled reply may run on after the closing tag; the agent reads the first call only
+        tool_call = re.match(r"<tool_call>(\{.*?\})</tool_call>", call)
+        assert tool_call and json.loads(tool_call.group(1))["name"] == "calc", call
         assert answer == result.strip() + "<eos>"
