@@ -170,7 +170,7 @@ def _fsync_dir(path: Path) -> None:
 
 def save_run(roles, manager: CheckpointManager, step: int, driver: dict[str, Any]) -> Path:
     """Checkpoint every stateful piece of a run after ``step``: the Actor (model, optimizer, scheduler,
-    RNG) and the Critic when there is one, each rollout engine's sampling RNG, and ``driver`` — the run
+    RNG), the Critic and the Reference's weights when there are, each rollout engine's sampling RNG, and ``driver`` — the run
     loop's own state (data position, metrics history, health counters, mode state)."""
     import ray
 
@@ -178,6 +178,8 @@ def save_run(roles, manager: CheckpointManager, step: int, driver: dict[str, Any
         trainers = roles.actor.call("save_checkpoint", str(tmp / "actor"))
         if roles.critic is not None:  # the PPO Critic trains too; the Teacher is frozen
             trainers += roles.critic.call("save_checkpoint", str(tmp / "critic"))
+        if roles.reference is not None:  # the warm-started (or last updated) policy, not the Actor's
+            trainers += roles.reference.call("save_checkpoint", str(tmp / "reference"))
         rng_states = ray.get(roles.rollout.call("rng_state"))
         for i, state in enumerate(rng_states):
             save_torch(state, tmp / f"rollout_{i}.pt")
@@ -202,6 +204,8 @@ def restore_run(roles, path: str | os.PathLike, publish: Callable[[int], None]) 
     refs = roles.actor.call("load_checkpoint", str(path / "actor"))
     if roles.critic is not None:
         refs += roles.critic.call("load_checkpoint", str(path / "critic"))
+    if roles.reference is not None and (path / "reference").is_dir():
+        refs += roles.reference.call("load_checkpoint", str(path / "reference"))
     ray.get(refs)
     publish(step)
     refs = []

@@ -35,8 +35,8 @@ from relax_core.ray_groups import RoleGroup
 
 log = logging.getLogger("relax")
 
-# losing one of these cannot be repaired in place: their state lives only in the process
-GLOBAL_ROLES = ("actor",)
+# losing one of these cannot be repaired in place: their optimizer state lives only in the process
+GLOBAL_ROLES = ("actor", "critic")
 ACTOR_FAILURES = (RayActorError, WorkerCrashedError)
 
 
@@ -89,6 +89,7 @@ class HealthManager:
         self.counters = HealthCounters()
         self.current_step = 0
         self._last_seen: dict[tuple[str, int], float] = {}
+        self._failures: dict[int, int] = {}  # step -> failed attempts
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -170,10 +171,21 @@ class HealthManager:
                 metrics = fn(step)
                 return metrics | self.metrics()
             except ACTOR_FAILURES as err:
-                log.warning("step %d: a role actor failed (%s); recovering", step, type(err).__name__)
-                self.recover_in_place(step)
+                self.step_failed(step, err)
                 stream.load_state_dict(stream_state)  # the same prompts again: no step lost
-                self.counters.step_retries += 1
+
+    def step_failed(self, step: int, err: BaseException) -> list[tuple[str, int]]:
+        """A step failed with a role actor's error: replace the dead replicas in place and count a retry.
+        Gives up with :class:`RunFailedError` when the same step failed more than ``max_role_restarts``+1
+        times (e.g. an error that no restart cures); returns the replicas that were replaced."""
+        log.warning("step %d: a role actor failed (%s); recovering", step, type(err).__name__)
+        self._failures[step] = self._failures.get(step, 0) + 1
+        if self._failures[step] > self.max_role_restarts + 1:
+            self._event("give_up", "run", 0, f"step {step} failed {self._failures[step]} times")
+            raise self._fail(f"step {step} failed {self._failures[step]} times; last error: {_one_line(err)}")
+        replaced = self.recover_in_place(step)
+        self.counters.step_retries += 1
+        return replaced
 
     def guarded(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` (an eval or a checkpoint save between steps) with the recovery of a step: a dead engine is
@@ -182,12 +194,7 @@ class HealthManager:
             try:
                 return fn()
             except ACTOR_FAILURES as err:
-                log.warning(
-                    "after step %d: a role actor failed (%s); recovering",
-                    self.current_step,
-                    type(err).__name__,
-                )
-                self.recover_in_place(self.current_step + 1)
+                self.step_failed(self.current_step + 1, err)
 
     def retrying(self, fn: Callable[[], Any], what: str) -> Any:
         """``fn()`` retried after replacing dead replicas in place, at most ``max_role_restarts`` times.
@@ -203,10 +210,12 @@ class HealthManager:
                 self.recover_in_place(self.current_step)
         return fn()
 
-    def recover_in_place(self, step: int) -> None:
+    def recover_in_place(self, step: int) -> list[tuple[str, int]]:
+        """Restart the dead replicas in place (raises :class:`GlobalRestartNeeded` for a global role or one
+        out of restarts); returns them."""
         dead = self._dead_replicas()
         if not dead:  # the failure was transient from the loop's point of view; retry as is
-            return
+            return []
         groups = self.groups()
         for name, i in dead:
             self._event("dead", name, i, "process gone or unresponsive")
@@ -225,6 +234,7 @@ class HealthManager:
         ray.get([groups[n].actors[i].__ray_ready__.remote() for n, i in dead])  # constructed and alive
         for name, i in dead:
             self.on_replaced(name, i, groups[name].actors[i])
+        return dead
 
     def begin_global_restart(self, reason: str) -> None:
         """Count a global restart; fail the run with a report when they are exhausted."""
@@ -289,3 +299,8 @@ class HealthManager:
         path = Path(output_dir) / "failure_report.json"
         path.write_text(json.dumps({"headline": headline, **self.state_dict()}, indent=2))
         return path
+
+
+def _one_line(err: BaseException) -> str:
+    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[-1] if lines else ''}"

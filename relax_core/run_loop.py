@@ -122,7 +122,15 @@ class RunLoop:
             refs = roles.reference.call("load_weights", weights, 0) if roles.reference is not None else []
             refs += roles.critic.call("load_trunk", weights) if roles.critic is not None else []
             ray.get(refs)
+            self.keep_reference_copy()
         self.mode.publish(0)
+
+    def keep_reference_copy(self) -> None:
+        """The Reference's weights (warm-started or restored) on disk, for a Reference restarted in place."""
+        if self.mode.roles.reference is not None:
+            path = f"{self.cfg.output_dir}/reference_weights"
+            ray.get(self.mode.roles.reference.call("save_checkpoint", path))
+            self.mode.reference_copy = path
 
     def start_control_plane(self):
         """HTTP control plane (health, metrics, elastic rollout scaling) when ``control_plane.enabled``."""
@@ -143,7 +151,7 @@ class RunLoop:
     # ---------------------------------------------------------------- checkpoints
     def save(self, step: int, evals: dict[str, Any]) -> None:
         driver = {
-            "stream": self.stream.state_dict(),
+            "stream": self.mode.stream_state(),
             "history": list(self.sink.history),
             "health": self.health.state_dict(),
             "extra": evals,
@@ -154,6 +162,7 @@ class RunLoop:
     def restore(self, path) -> dict[str, Any]:
         """Load checkpoint ``path`` into the running roles; returns its driver state."""
         driver = restore_run(self.mode.roles, path, self.mode.publish)
+        self.keep_reference_copy()
         self.stream.load_state_dict(driver["stream"])
         self.mode.load_state_dict(driver.get("mode", {}))
         if driver.get("health"):
@@ -187,6 +196,7 @@ class RunLoop:
             self.mode.replaced,
         )
         self.mode.health = self.health
+        self.mode.checkpoint_due = lambda s: self.checkpoints.due(s, t.total_steps) or STOP_REQUEST.is_set()
         control_plane = self.start_control_plane()
         summary: dict[str, Any] = {"status": "failed"}
         try:

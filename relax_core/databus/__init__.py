@@ -10,7 +10,7 @@ Implementations (``mode.databus``):
 
 from __future__ import annotations
 
-from relax_core.databus.base import DataBus, DataBusTimeout, partition_name, sample_key
+from relax_core.databus.base import DataBus, DataBusTimeout, PartitionCancelled, partition_name, sample_key
 from relax_core.databus.memory import InMemoryDataBus
 from relax_core.errors import RelaxUserError
 
@@ -22,7 +22,7 @@ def start_databus(name: str) -> DataBus:
     if name == "ray":
         from relax_core.databus.ray_bus import RayDataBus
 
-        return RayDataBus.start()
+        return RayDataBus.start(name="databus")
     if name == "transferqueue":
         from relax_core.databus.transferqueue import TransferQueueDataBus
 
@@ -37,6 +37,7 @@ __all__ = [
     "DataBus",
     "DataBusTimeout",
     "InMemoryDataBus",
+    "PartitionCancelled",
     "partition_name",
     "sample_key",
     "start_databus",

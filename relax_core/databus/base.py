@@ -33,6 +33,10 @@ class DataBusTimeout(TimeoutError):
     """A consumer waited longer than its timeout for rows that never became ready."""
 
 
+class PartitionCancelled(RuntimeError):
+    """The partition was cancelled (its step is being regenerated after a failure): stop working on it."""
+
+
 class DataBus(abc.ABC):
     """Samples of in-flight steps, with per-field readiness and per-task consumption."""
 
@@ -58,7 +62,13 @@ class DataBus(abc.ABC):
 
     @abc.abstractmethod
     def clear(self, partition: str) -> None:
-        """Drop the partition and everything in it."""
+        """Drop the partition and everything in it (a cancelled partition becomes usable again)."""
+
+    @abc.abstractmethod
+    def cancel(self, partition: str) -> None:
+        """From now until :meth:`clear`, :meth:`ready` on ``partition`` raises :class:`PartitionCancelled`
+        (the in-memory and Ray buses also refuse put, get and consume), so the roles still working on it
+        stop instead of waiting forever for rows that will not come."""
 
     @abc.abstractmethod
     def partitions(self) -> list[str]:
@@ -66,6 +76,9 @@ class DataBus(abc.ABC):
 
     def close(self) -> None:
         """Release the bus's processes (only the process that started it does anything)."""
+
+    def wait_until_up(self, timeout_s: float = 300.0) -> None:
+        """Return once the bus answers again (a bus process that was restarted after a crash)."""
 
     def wait_ready(
         self,

@@ -9,6 +9,8 @@ starts in well under a second, which is why it is the default on small machines 
 
 from __future__ import annotations
 
+import time
+
 import ray
 import torch
 
@@ -58,7 +60,13 @@ class RayDataBus(DataBus):
 
     @classmethod
     def start(cls, num_cpus: float = 0.1, name: str | None = None) -> RayDataBus:
-        server = ray.remote(BusServer).options(num_cpus=num_cpus, max_concurrency=16, name=name).remote()
+        # a killed server is restarted by Ray with empty partitions (same handle for every role); the
+        # async scheduler then regenerates the steps that were in flight
+        server = (
+            ray.remote(BusServer)
+            .options(num_cpus=num_cpus, max_concurrency=16, name=name, max_restarts=-1)
+            .remote()
+        )
         ray.get(server.partitions.remote())  # raise here if it cannot start
         bus = cls(server)
         bus._owner = True
@@ -85,8 +93,23 @@ class RayDataBus(DataBus):
     def clear(self, partition: str) -> None:
         ray.get(self.server.clear.remote(partition))
 
+    def cancel(self, partition: str) -> None:
+        ray.get(self.server.cancel.remote(partition))
+
     def partitions(self) -> list[str]:
         return ray.get(self.server.partitions.remote())
+
+    def wait_until_up(self, timeout_s: float = 300.0) -> None:
+        """Ray restarts a killed server (``max_restarts``); calls fail fast until it is back."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ray.get(self.server.partitions.remote(), timeout=timeout_s)
+                return
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def close(self) -> None:
         if self._owner:

@@ -17,11 +17,13 @@ import os
 import ray
 import torch
 
-from relax_core.databus.base import DataBus, Fields
+from relax_core.databus.base import DataBus, Fields, PartitionCancelled
 from relax_core.errors import RelaxUserError
 
 # logical CPUs TransferQueue's own actors reserve: controller + one storage unit
 TQ_CPUS = 2.0
+# a cancelled partition holds this key, tagged CANCEL_TAG
+CANCEL_KEY, CANCEL_TAG = "~cancelled", "cancelled"
 
 
 class TransferQueueDataBus(DataBus):
@@ -83,9 +85,15 @@ class TransferQueueDataBus(DataBus):
             tags=tags,
         )
 
-    def _tags(self, partition: str) -> dict[str, dict]:
+    def _tags(self, partition: str, check: bool = True) -> dict[str, dict]:
         listing = self._tq().kv_list(partition_id=partition)
-        return listing.get(partition, {}) or {}
+        tags = listing.get(partition, {}) or {}
+        if check and CANCEL_TAG in tags.get(CANCEL_KEY, {}):
+            raise PartitionCancelled(f"{partition} was cancelled")
+        return tags
+
+    def cancel(self, partition: str) -> None:
+        self._tq().kv_batch_put(keys=[CANCEL_KEY], partition_id=partition, tags=[{CANCEL_TAG: 1}])
 
     def ready(self, partition: str, fields: list[str], task: str | None = None) -> list[str]:
         wanted = [f"f:{f}" for f in fields]
@@ -115,7 +123,7 @@ class TransferQueueDataBus(DataBus):
         return sorted(k for k, tags in self._tags(partition).items() if f"c:{task}" in tags)
 
     def clear(self, partition: str) -> None:
-        keys = list(self._tags(partition))
+        keys = list(self._tags(partition, check=False))
         if keys:
             self._tq().kv_clear(keys=keys, partition_id=partition)
 

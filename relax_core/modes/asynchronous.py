@@ -28,6 +28,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -37,6 +38,7 @@ from relax_core.algorithm_roles import dynamic_sampling_metrics
 from relax_core.databus import DataBus, partition_name, start_databus
 from relax_core.databus.records import SAMPLE_FIELDS
 from relax_core.errors import RelaxUserError
+from relax_core.health import ACTOR_FAILURES, GlobalRestartNeeded
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics, split_evenly
 from relax_core.ray_groups import RoleGroup
 from relax_core.roles.actor import Actor
@@ -71,6 +73,46 @@ class StalenessGate:
         return max(step - 1 - self.max_staleness, 0)
 
 
+@dataclass
+class Schedule:
+    """Where the async pipeline stands: the steps trained, synced to the engines and handed out, and the
+    work in flight (Ray refs by kind and step)."""
+
+    stages: list[str]
+    trained: int  # the Actor holds policy version ``trained``
+    synced: int = field(init=False)  # every follower holds at least this version
+    yielded: int = field(init=False)
+    next_roll: int = field(init=False)
+    rolling: int | None = None
+    training: int | None = None
+    roll: dict[str, Any] = field(default_factory=dict)  # the step being generated: free slots, rounds, parts
+    kinds: dict[ray.ObjectRef, tuple[str, int]] = field(default_factory=dict)
+    stage_busy: dict[str, int | None] = field(init=False)
+    stage_next: dict[str, int] = field(init=False)
+    sync_queue: deque[int] = field(default_factory=deque)
+    sync_inflight: tuple[int, list, float] | None = None
+    info: dict[int, dict[str, Any]] = field(default_factory=dict)
+    evals_due: set[int] = field(default_factory=set)
+    stream_at: dict[int, dict] = field(default_factory=dict)  # data position before each step's prompts
+    generated: dict[int, int] = field(default_factory=dict)  # samples written per step in flight
+    last_done: float = field(default_factory=time.perf_counter)
+    last_train_done: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.synced = self.yielded = self.trained
+        self.rewind()
+
+    def rewind(self) -> None:
+        """Nothing in flight; the next step to generate and train is ``trained + 1``."""
+        self.next_roll, self.rolling, self.training, self.roll = self.trained + 1, None, None, {}
+        self.kinds.clear()
+        self.stage_busy = dict.fromkeys(self.stages)
+        self.stage_next = dict.fromkeys(self.stages, self.trained + 1)
+        self.sync_queue.clear()
+        self.sync_inflight = None
+        self.stream_at.clear()
+
+
 class AsyncMode(Mode):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -84,7 +126,12 @@ class AsyncMode(Mode):
         self.pgs: list = []
         self.bus: DataBus | None = None
         self.bus_stats = {"put_samples": 0, "put_s": 0.0}
-        self.last_sync_s = 0.0
+        self.last_sync_s = self.last_publish_s = 0.0
+        self.refresh_reference = False  # a Reference restarted in place awaits the policy it follows
+        self.schedule: Schedule | None = None
+        # per-sample accounting over the run (kept in checkpoints): rows written by the engines, rows the
+        # Actor trained on, rows of dropped steps that were generated again
+        self.samples = {"trained": 0, "generated": 0, "regenerated": 0}
 
     # ------------------------------------------------------------------ setup / teardown
     def _group(self, cls, name: str, replicas: int, cpus: float, gpus: float, args: tuple, **kw) -> RoleGroup:
@@ -193,6 +240,36 @@ class AsyncMode(Mode):
                 pass
             self.bus = None
 
+    def replaced(self, role: str, index: int, handle: Any) -> None:
+        """Connect a replica restarted in place to the weight transfer; :meth:`_recover` publishes the
+        current policy to it once nothing is in flight."""
+        super().replaced(role, index, handle)
+        followers = {"rollout": ("policy", 0), "actor_fwd": ("policy", len(self.roles.rollout))}
+        if role == "reference" and self.ref_every:
+            followers["reference"] = ("reference", 0)
+            self.refresh_reference = True
+        if role not in followers:
+            return
+        if self.transfer.strategy == "collective":
+            raise GlobalRestartNeeded(
+                f"{role}-{index} restarted, but weight_transfer=collective has fixed members"
+            )
+        name, offset = followers[role]
+        self.transfer.replace(name, offset + index, handle)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples": dict(self.samples)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.samples |= state.get("samples", {})
+
+    def stream_state(self) -> dict[str, Any]:
+        """Data position of the first step not handed out: a resume regenerates the steps in flight."""
+        st = self.schedule
+        if st is not None and st.yielded + 1 in st.stream_at:
+            return st.stream_at[st.yielded + 1]
+        return self.ctx.stream.state_dict()
+
     # ------------------------------------------------------------------ weights and generation
     def _publish(self, version: int) -> list[ray.ObjectRef]:
         """Start publishing snapshot ``version`` to the policy followers (and the Reference when due)."""
@@ -209,139 +286,212 @@ class AsyncMode(Mode):
         return [s for part in ray.get(refs) for s in part]
 
     # ------------------------------------------------------------------ the loop
-    def _launch_round(self, step: int, roll: dict[str, Any]) -> list[ray.ObjectRef]:
+    def _launch_round(self, st: Schedule, step: int) -> None:
         """One rollout round of ``step``: a batch of prompts over the engines, each filling its share of
         the step's free group slots."""
-        engines = self.roles.rollout.actors
+        engines, roll = self.roles.rollout.actors, st.roll
         k = min(len(engines), len(roll["free"]))
         prompts = self.ctx.stream.next_batch(self.cfg.rollout.batch_size)
         roll["round"] += 1
         last = roll["round"] >= self.max_rounds
-        return [
+        refs = [
             engine.produce.remote(step, chunk, slots, last)
             for engine, chunk, slots in zip(
                 engines, split_evenly(prompts, k), split_evenly(roll["free"], k), strict=False
             )
         ]
+        roll["pending"] = set(refs)
+        st.kinds |= dict.fromkeys(refs, ("rollout", step))
+
+    def _holds(self, st: Schedule, step: int) -> bool:
+        """A checkpoint is due after a step before ``step`` that is not handed out yet: the Actor, the Critic
+        and the rollout engines (their RNG) wait for it so the checkpoint sees them at that step."""
+        return any(self.checkpoint_due(c) for c in range(st.yielded + 1, step))
 
     def steps(self, first: int, evaluate: Callable[[], StepMetrics]) -> Iterator[tuple[int, StepMetrics]]:
-        """Run ``trainer.total_steps`` RL steps; yield ``(step, metrics)`` in step order."""
-        cfg, needs = self.cfg, self.ctx.needs
-        total = cfg.trainer.total_steps
-        actor = self.roles.actor.actors[0]
-        extras = list(needs.train_fields)
-        need = list(SAMPLE_FIELDS) + extras
+        """Run RL steps ``first``..``trainer.total_steps``; yield ``(step, metrics)`` in step order.
+
+        A failed role (or data bus) does not end the run: the dead replicas are replaced in place, every step
+        the Actor has not trained yet is cancelled and regenerated from its prompts (:meth:`_recover`)."""
+        total = self.cfg.trainer.total_steps
+        st = self.schedule = Schedule([name for name in HELPER_STAGES if name in self.roles.all()], first - 1)
+        while st.yielded < total:
+            try:
+                self._advance(st, evaluate)
+                finished = self._finished_steps(st)
+            except ACTOR_FAILURES as err:
+                self._recover(st, err)
+                continue
+            yield from finished
+
+    def _advance(self, st: Schedule, evaluate: Callable[[], StepMetrics]) -> None:
+        """Launch what may start now, wait up to a second for something to finish and take its result."""
+        cfg, needs, total = self.cfg, self.ctx.needs, self.cfg.trainer.total_steps
         groups = self.roles.all()
-        stages = [name for name in HELPER_STAGES if name in groups]
-        trained, next_roll, synced = 0, 1, 0
-        kinds: dict[ray.ObjectRef, tuple[str, int]] = {}
-        roll: dict[str, Any] = {}  # the step being generated: free slots, rounds, pending refs, results
-        stage_busy: dict[str, int | None] = dict.fromkeys(stages)
-        stage_next: dict[str, int] = dict.fromkeys(stages, 1)
-        rolling: int | None = None
-        training: int | None = None
-        sync_queue: deque[int] = deque()
-        sync_inflight: tuple[int, list, float] | None = None
-        info: dict[int, dict[str, Any]] = {}
-        evals_due: set[int] = set()
-        yielded, last_done = 0, time.perf_counter()
+        # 1. weights: one version at a time, in order
+        if st.sync_inflight is None and st.sync_queue:
+            v = st.sync_queue.popleft()
+            refs = self._publish(v)
+            st.sync_inflight = (v, refs, time.perf_counter())
+            st.kinds |= dict.fromkeys(refs, ("sync", v))
+        # 2. evaluation of a finished step on its own weights, when rollout is idle
+        for s in sorted(st.evals_due):
+            if st.rolling is None and st.synced >= s:
+                st.info[s]["eval"] = evaluate()
+                st.evals_due.discard(s)
+        # 3. rollout of the next step, if the staleness gate and the engines' weights allow it
+        s = st.next_roll
+        if (
+            st.rolling is None
+            and not st.evals_due
+            and s <= total
+            and self.gate.may_start(s, st.trained + 1)
+            and st.synced >= self.gate.min_weight_version(s)
+            and not self._holds(st, s)
+        ):
+            st.stream_at[s] = self.ctx.stream.state_dict()
+            st.roll = {"free": list(range(cfg.rollout.batch_size)), "round": 0, "parts": []}
+            st.roll["launched"] = time.perf_counter()
+            st.info[s] = {"stages": {}, "eval": {}}
+            self._launch_round(st, s)
+            st.rolling, st.next_roll = s, s + 1
+        # 4. helper stages follow the rollout step by step
+        for name in st.stages:
+            s = st.stage_next[name]
+            if st.stage_busy[name] is not None or s >= st.next_roll:
+                continue
+            if name == "actor_fwd" and st.synced < s - 1:  # behaviour policy = version s-1
+                continue
+            if name == "critic" and self._holds(st, s):
+                continue
+            st.kinds[groups[name].actors[0].process.remote(s, self.step_samples)] = (name, s)
+            st.stage_busy[name], st.stage_next[name] = s, s + 1
+        # 5. the Actor trains the oldest unconsumed step as its rows stream in
+        s = st.trained + 1
+        if st.training is None and s <= total and s < st.next_roll and not self._holds(st, s):
+            need, extras = list(SAMPLE_FIELDS) + list(needs.train_fields), list(needs.train_fields)
+            actor = self.roles.actor.actors[0]
+            st.kinds[actor.train_from_bus.remote(s, self.step_samples, need, extras)] = ("train", s)
+            st.training = s
+            st.info[s]["train_launch"] = time.perf_counter()
+        # 6. wait for anything to finish
+        done, _ = ray.wait(list(st.kinds), num_returns=1, timeout=1.0)
+        for ref in done:
+            kind, s = st.kinds.pop(ref)
+            self._take(st, kind, s, ref, ray.get(ref))  # ray.get re-raises a role's error here
 
-        def launch(ref, kind, step):
-            kinds[ref] = (kind, step)
+    def _take(self, st: Schedule, kind: str, s: int, ref: ray.ObjectRef, value: Any) -> None:
+        """Book the result ``value`` of a finished ``kind`` task of step ``s``."""
+        if kind == "rollout":
+            roll = st.roll
+            roll["pending"].discard(ref)
+            roll["parts"].append(value)
+            st.generated[s] = st.generated.get(s, 0) + len(value["rewards"])
+            filled = set(value["filled"])
+            roll["free"] = [g for g in roll["free"] if g not in filled]
+            if roll["pending"]:
+                return
+            if roll["free"]:  # dynamic sampling: another round for the groups still missing
+                self._launch_round(st, s)
+                return
+            st.info[s] |= {"rollout": roll["parts"], "rounds": roll["round"]}
+            st.info[s]["rollout_s"] = time.perf_counter() - roll["launched"]
+            st.rolling = None
+        elif kind in st.stage_busy:
+            st.stage_busy[kind] = None
+            st.info[s]["stages"] |= value
+        elif kind == "train":
+            if value.get("cancelled"):
+                if value["optimizer_steps"]:  # the Actor's state moved: only a checkpoint is consistent
+                    raise GlobalRestartNeeded(f"actor-0 stopped inside step {s} after an optimizer update")
+                return
+            now = time.perf_counter()
+            st.training, st.trained = None, s
+            st.info[s]["train"] = value
+            st.info[s]["train_s"] = now - st.info[s]["train_launch"]
+            st.info[s]["train_interval_s"] = now - st.last_train_done
+            st.last_train_done = now
+            st.sync_queue.append(s)
+            t = self.cfg.trainer
+            if t.eval_every and (s % t.eval_every == 0 or s == t.total_steps):
+                st.evals_due.add(s)
+        elif kind == "sync":
+            v, refs, started = st.sync_inflight
+            if ref == refs[0]:
+                self.last_sync_s = value  # the Actor's send time of version v
+            if all(x not in st.kinds for x in refs):
+                st.synced, st.sync_inflight = v, None
+                self.last_publish_s = time.perf_counter() - started
+                self.transfer.finished(v, self.last_publish_s)
 
-        def launch_round(s):
-            refs = self._launch_round(s, roll)
-            roll["pending"] = set(refs)
-            for ref in refs:
-                launch(ref, "rollout", s)
+    def _finished_steps(self, st: Schedule) -> list[tuple[int, StepMetrics]]:
+        """Steps whose rollout, training and every helper are done, in order (their partitions dropped)."""
+        out, total = [], self.cfg.trainer.total_steps
+        while st.yielded < total and {"rollout", "train"} <= set(st.info.get(st.yielded + 1, ())):
+            s = st.yielded + 1
+            if s in st.evals_due or any(st.stage_busy[n] == s or st.stage_next[n] <= s for n in st.stages):
+                break
+            self.bus.clear(partition_name(s))
+            now, info = time.perf_counter(), st.info.pop(s)
+            info["step_time_s"], st.last_done = now - st.last_done, now
+            st.stream_at.pop(s, None)
+            self.samples["trained"] += self.step_samples
+            self.samples["generated"] += st.generated.pop(s, 0)
+            metrics = self._step_metrics(info) | info["stages"] | info["eval"]
+            # balance: generated = trained + regenerated whenever no step is in flight
+            metrics |= {f"samples/{k}": float(v) for k, v in self.samples.items()}
+            out.append((s, metrics))
+            st.yielded = s
+        return out
 
-        while yielded < total:
-            # 1. weights: one version at a time, in order
-            if sync_inflight is None and sync_queue:
-                v = sync_queue.popleft()
-                refs = self._publish(v)
-                sync_inflight = (v, refs, time.perf_counter())
-                for ref in refs:
-                    launch(ref, "sync", v)
-            # 2. evaluation of a finished step on its own weights, when rollout is idle
-            for s in sorted(evals_due):
-                if rolling is None and synced >= s:
-                    info[s]["eval"] = evaluate()
-                    evals_due.discard(s)
-            # 3. rollout of the next step, if the staleness gate and the engines' weights allow it
-            if (
-                rolling is None
-                and not evals_due
-                and next_roll <= total
-                and self.gate.may_start(next_roll, trained + 1)
-                and synced >= self.gate.min_weight_version(next_roll)
-            ):
-                s = next_roll
-                roll = {"free": list(range(cfg.rollout.batch_size)), "round": 0, "parts": []}
-                roll["launched"] = time.perf_counter()
-                info[s] = {"stages": {}, "eval": {}}
-                launch_round(s)
-                rolling, next_roll = s, s + 1
-            # 4. helper stages follow the rollout step by step
-            for name in stages:
-                s = stage_next[name]
-                if stage_busy[name] is not None or s >= next_roll:
-                    continue
-                if name == "actor_fwd" and synced < s - 1:  # behaviour policy = version s-1
-                    continue
-                launch(groups[name].actors[0].process.remote(s, self.step_samples), name, s)
-                stage_busy[name], stage_next[name] = s, s + 1
-            # 5. the Actor trains the oldest unconsumed step as its rows stream in
-            if training is None and trained < total and trained + 1 < next_roll:
-                s = trained + 1
-                launch(actor.train_from_bus.remote(s, self.step_samples, need, extras), "train", s)
-                training = s
-                info[s]["train_launch"] = time.perf_counter()
-            # 6. wait for anything to finish
-            done, _ = ray.wait(list(kinds), num_returns=1, timeout=1.0)
-            for ref in done:
-                kind, s = kinds.pop(ref)
-                value = ray.get(ref)  # re-raises a role's error here
-                if kind == "rollout":
-                    roll["pending"].discard(ref)
-                    roll["parts"].append(value)
-                    filled = set(value["filled"])
-                    roll["free"] = [g for g in roll["free"] if g not in filled]
-                    if roll["pending"]:
-                        continue
-                    if roll["free"]:  # dynamic sampling: another round for the groups still missing
-                        launch_round(s)
-                        continue
-                    info[s] |= {"rollout": roll["parts"], "rounds": roll["round"]}
-                    info[s]["rollout_s"] = time.perf_counter() - roll["launched"]
-                    rolling = None
-                elif kind in stage_busy:
-                    stage_busy[kind] = None
-                    info[s]["stages"] |= value
-                elif kind == "train":
-                    training, trained = None, s
-                    info[s]["train"] = value
-                    info[s]["train_s"] = time.perf_counter() - info[s]["train_launch"]
-                    sync_queue.append(s)
-                    if cfg.trainer.eval_every and (s % cfg.trainer.eval_every == 0 or s == total):
-                        evals_due.add(s)
-                elif kind == "sync":
-                    v, refs, started = sync_inflight
-                    if ref == refs[0]:
-                        self.last_sync_s = value  # the Actor's send time of version v
-                    if all(x not in kinds for x in refs):
-                        synced, sync_inflight = v, None
-                        self.transfer.finished(v, time.perf_counter() - started)
-            # 7. hand out finished steps in order, once rollout, Actor and every helper are done with them
-            while yielded < total and {"rollout", "train"} <= set(info.get(yielded + 1, ())):
-                s = yielded + 1
-                if s in evals_due or any(stage_busy[n] == s or stage_next[n] <= s for n in stages):
-                    break
-                self.bus.clear(partition_name(s))
-                now, step_info = time.perf_counter(), info.pop(s)
-                step_info["step_time_s"], last_done = now - last_done, now
-                yield s, self._step_metrics(step_info) | step_info["stages"] | step_info["eval"]
-                yielded = s
+    def _recover(self, st: Schedule, err: BaseException) -> None:
+        """A role (or the bus) failed: replace the dead replicas in place, stop and drop every step the
+        Actor has not trained, and start again from the oldest one with the prompts it drew before.
+
+        Samples are accounted by step: a step is trained once (the Actor's optimizer step is the commit
+        point), and the rows of a dropped step are counted as regenerated, never trained."""
+        self.health.current_step = st.trained + 1
+        self.health.step_failed(st.trained + 1, err)  # GlobalRestartNeeded when the Actor or Critic died
+        self.bus.wait_until_up()  # a killed bus server is back, empty
+        for s in range(st.trained + 1, st.next_roll):
+            self.bus.cancel(partition_name(s))
+        self._drain(st)
+        dropped = range(st.trained + 1, st.next_roll)
+        for s in dropped:
+            self.bus.clear(partition_name(s))
+            dropped_samples = st.generated.pop(s, 0)
+            self.samples["generated"] += dropped_samples
+            self.samples["regenerated"] += dropped_samples
+            st.info.pop(s, None)
+        if st.trained + 1 in st.stream_at:  # the same prompts again
+            self.ctx.stream.load_state_dict(st.stream_at[st.trained + 1])
+        st.rewind()
+        if self.refresh_reference:  # a Reference that follows the policy restarted: the current one
+            ray.get([self.transfer.deliver(r, st.trained) for r in self.roles.reference.actors])
+            self.refresh_reference = False
+        self.publish(st.trained)  # every follower, replaced ones included, holds the Actor's version
+        st.synced = st.trained
+        log.warning("recovered: steps %d.. are regenerated from their prompts", st.trained + 1)
+
+    def _drain(self, st: Schedule) -> None:
+        """Wait until nothing is in flight (the cancelled partitions make the roles return); a training
+        step that completed meanwhile is kept."""
+        for ref, (kind, s) in list(st.kinds.items()):
+            try:
+                value = ray.get(ref)
+            except Exception:  # noqa: BLE001  (failed or cancelled work is redone)
+                continue
+            if kind == "rollout" and s == st.rolling:
+                st.generated[s] = st.generated.get(s, 0) + len(value["rewards"])
+                st.roll["parts"].append(value)
+            elif kind == "train":
+                del st.kinds[ref]
+                self._take(st, kind, s, ref, value)
+        st.kinds.clear()
+        s = st.rolling
+        if s is not None and s <= st.trained:  # the Actor finished the step the engines were producing
+            st.info[s] |= {"rollout": st.roll["parts"], "rounds": st.roll["round"]}
+            st.info[s]["rollout_s"] = time.perf_counter() - st.roll["launched"]
 
     def _step_metrics(self, info: dict[str, Any]) -> StepMetrics:
         parts = info["rollout"]
@@ -370,6 +520,12 @@ class AsyncMode(Mode):
                 "weights/bytes": float(self.transfer.stats.bytes),
             }
         )
+        metrics |= overlap_metrics(
+            info["rollout_s"],
+            train.get("time/actor_busy_s", info["train_s"]),
+            self.last_publish_s,
+            info["train_interval_s"],
+        )
         if self.cfg.algorithm.dynamic_sampling:
             metrics |= dynamic_sampling_metrics(
                 info["rounds"],
@@ -378,6 +534,22 @@ class AsyncMode(Mode):
                 [rw for p in parts for rw in p["generated_rewards"]],
             )
         return metrics
+
+
+def overlap_metrics(rollout_s: float, busy_s: float, publish_s: float, interval_s: float) -> StepMetrics:
+    """How well a step's phases overlap. Run one after another (colocate) they take
+    ``serial = rollout + actor busy + weight publish``; perfectly overlapped, the slower of the two sides,
+    ``max(rollout, busy + publish)``. ``overlap/bound_speedup`` = serial / that, ``overlap/speedup`` =
+    serial / the measured interval between the Actor's steps, ``time/actor_idle_share`` = the part of that
+    interval the Actor did not compute."""
+    serial = rollout_s + busy_s + publish_s
+    interval = max(interval_s, 1e-9)
+    return {
+        "time/weight_publish_s": publish_s,
+        "time/actor_idle_share": min(max(1.0 - busy_s / interval, 0.0), 1.0),
+        "overlap/bound_speedup": serial / max(rollout_s, busy_s + publish_s, 1e-9),
+        "overlap/speedup": serial / interval,
+    }
 
 
 def validate_async(cfg) -> None:
@@ -393,14 +565,6 @@ def validate_async(cfg) -> None:
         raise RelaxUserError(f"mode.rollout_chunk_prompts must be >= 0, got {m.rollout_chunk_prompts}")
     if m.ref_update_interval < 0:
         raise RelaxUserError(f"mode.ref_update_interval must be >= 0, got {m.ref_update_interval}")
-    if cfg.trainer.resume:
-        raise RelaxUserError(
-            "trainer.resume is not supported with mode=async yet (resume with mode=colocate)"
-        )
-    if cfg.trainer.save_every:
-        raise RelaxUserError(
-            "trainer.save_every: checkpoints of mode=async (in-flight steps on the bus) are not supported yet"
-        )
     if cfg.trainer.backend != "torch":
         raise RelaxUserError(
             f"mode=async supports trainer.backend=torch for now, got {cfg.trainer.backend!r}"

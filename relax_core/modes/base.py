@@ -58,6 +58,12 @@ class Mode(abc.ABC):
         self.transfer = None  # WeightTransfer, built by start()
         # set by the run loop before steps(): in-place recovery of dead replicas
         self.health = None
+        # set by the run loop: a checkpoint folder of the Reference's weights when they are not the model
+        # folder's (warm-started), which a Reference restarted in place loads
+        self.reference_copy: str | None = None
+        # set by the run loop: whether a checkpoint is due after a step (a mode with steps in flight holds
+        # its stateful roles at that step until the checkpoint is written)
+        self.checkpoint_due: Callable[[int], bool] = lambda step: False
 
     @abc.abstractmethod
     def start(self) -> RoleGroups:
@@ -81,7 +87,17 @@ class Mode(abc.ABC):
         is called by modes that must evaluate at a point of their own schedule (async)."""
 
     def replaced(self, role: str, index: int, handle: Any) -> None:
-        """A replica of ``role`` was restarted in place: bring it to the current weights."""
+        """A replica of ``role`` was restarted in place: bring it to the weights it held (modes add the
+        policy followers)."""
+        if role == "reference" and self.reference_copy is not None:
+            import ray
+
+            ray.get(handle.load_checkpoint.remote(self.reference_copy))
+
+    def stream_state(self) -> dict[str, Any]:
+        """Data position a checkpoint after the last yielded step resumes from (async modes have drawn the
+        prompts of later steps already)."""
+        return self.ctx.stream.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """Scheduler state that a checkpoint keeps (e.g. the critic warm-up count)."""

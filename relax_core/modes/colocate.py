@@ -118,6 +118,7 @@ class ColocateMode(Mode):
             self.pg = None
 
     def replaced(self, role: str, index: int, handle: Any) -> None:
+        super().replaced(role, index, handle)
         if role == "rollout":  # the new engine serves the current policy
             self.transfer.replace("policy", index, handle)
             ray.get(self.transfer.deliver(handle))

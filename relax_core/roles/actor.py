@@ -12,7 +12,7 @@ from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, critic_warming_up
 from relax_core.algorithms.masked import masked_mean
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
 from relax_core.backends import build_backend
-from relax_core.databus import DataBus, partition_name, sample_key
+from relax_core.databus import DataBus, PartitionCancelled, partition_name, sample_key
 from relax_core.databus.stages import MicroStream, score_stage
 from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
@@ -122,48 +122,41 @@ class Actor(WeightSource, WeightReceiver):
         sums: dict[str, float] = {}
         updates, wait_s, versions = 0, 0.0, []
         t0 = time.perf_counter()
-        for epoch in range(algo.ppo_epochs):
-            for start in range(0, total, global_size):
-                stream = MicroStream(
-                    self.bus,
-                    self.pad,
-                    part,
-                    keys[start : start + global_size],
-                    need,
-                    extras,
-                    algo,
-                    self.backend,
-                )
-
-                def loss_fn(micro, logprobs, entropy):
-                    loss, m = policy_objective(
-                        micro, logprobs, entropy, algo, micro_batch_weight(micro, 1.0, 1, algo)
-                    )
-                    mask, lp = micro.loss_mask, logprobs.detach()
-                    m["off_policy/train_rollout_abs_diff"] = float(
-                        masked_mean((lp - micro.rollout_logprobs).abs(), mask)
-                    )
-                    if "old_logprobs" in micro.extras:
-                        m["off_policy/old_rollout_abs_diff"] = float(
-                            masked_mean((micro.extras["old_logprobs"] - micro.rollout_logprobs).abs(), mask)
-                        )
-                    return loss, m
-
-                out = self.backend.train_step(stream, loss_fn, trainer.micro_batch_size)
-                out["loss"] = out["loss"] / max(stream.total_weight, 1.0)
-                for k, v in out.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                updates += 1
-                wait_s += stream.wait_s
-                if epoch == 0:
-                    versions += stream.versions
-        self.bus.consume(part, keys, "actor")
+        try:
+            for epoch in range(algo.ppo_epochs):
+                for start in range(0, total, global_size):
+                    batch = keys[start : start + global_size]
+                    stream = MicroStream(self.bus, self.pad, part, batch, need, extras, algo, self.backend)
+                    out = self.backend.train_step(stream, self._streamed_loss, trainer.micro_batch_size)
+                    out["loss"] = out["loss"] / max(stream.total_weight, 1.0)
+                    for k, v in out.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    updates += 1
+                    wait_s += stream.wait_s
+                    if epoch == 0:
+                        versions += stream.versions
+        except PartitionCancelled:  # the step is being regenerated; the next train_step zeroes the gradients
+            return {"cancelled": 1.0, "optimizer_steps": float(updates)}
         self.weights_snapshot(step)
         metrics = {k: v / updates for k, v in sums.items()} | {"optimizer_steps": float(updates)}
         metrics |= staleness_metrics(versions, step - 1)
         metrics["time/actor_data_wait_s"] = wait_s
         metrics["time/actor_busy_s"] = time.perf_counter() - t0 - wait_s
         return metrics
+
+    def _streamed_loss(self, micro: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor):
+        """The objective of one streamed micro-batch, un-normalised (:class:`MicroStream` scales the
+        gradients once the batch is complete), plus the train-vs-rollout log-prob mismatch."""
+        algo = self.algo
+        loss, m = policy_objective(micro, logprobs, entropy, algo, micro_batch_weight(micro, 1.0, 1, algo))
+        mask, lp = micro.loss_mask, logprobs.detach()
+        m["off_policy/train_rollout_abs_diff"] = float(masked_mean((lp - micro.rollout_logprobs).abs(), mask))
+        if "old_logprobs" in micro.extras:
+            old = micro.extras["old_logprobs"]
+            m["off_policy/old_rollout_abs_diff"] = float(
+                masked_mean((old - micro.rollout_logprobs).abs(), mask)
+            )
+        return loss, m
 
     def process(self, step: int, total: int) -> dict[str, float]:
         """As ActorFwd (mode=async): the behaviour policy's log-probs (version N−1) of step N's rows."""

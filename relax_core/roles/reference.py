@@ -54,3 +54,11 @@ class Reference(WeightReceiver):
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int = 0) -> None:
         """The warm-started policy (and, with ``mode.ref_update_interval``, later versions)."""
         self.backend.load_state_dict(state_dict)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Its weights: a checkpoint keeps them (they are not the Actor's), and a replica restarted in place
+        reloads them from the run's copy."""
+        self.backend.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.backend.load_checkpoint(path)

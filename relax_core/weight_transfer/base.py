@@ -92,6 +92,8 @@ class WeightSource(_WeightEndpoint):
         t = time.perf_counter()
         snapshots = getattr(self, "_snapshots", {})
         state = snapshots.pop(version, None) or self.backend.state_dict()
+        for older in [v for v in snapshots if v < version]:  # never sent (a recovery skipped them)
+            del snapshots[older]
         payload = None
         if getattr(self, "rank", 0) == 0:  # model-parallel ranks only take part in gathering the weights
             for key in keys:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relax_core.databus import DataBusTimeout, InMemoryDataBus, partition_name, sample_key
+from relax_core.databus import (
+    DataBusTimeout,
+    InMemoryDataBus,
+    PartitionCancelled,
+    partition_name,
+    sample_key,
+)
 from relax_core.databus.records import SAMPLE_FIELDS, batch_from_rows, per_sample, sample_rows
 from relax_core.samples import Sample, TrainBatch
 
@@ -54,6 +60,18 @@ def check_contract(bus) -> None:
     bus.clear(part)
     assert bus.ready(part, SAMPLE_FIELDS) == []
     assert part not in bus.partitions()
+    # a cancelled partition stops its readers (a step being regenerated) until it is cleared
+    bus.put(part, keys, fields)
+    bus.cancel(part)
+    with pytest.raises(PartitionCancelled):
+        bus.ready(part, SAMPLE_FIELDS, task="actor")
+    with pytest.raises(PartitionCancelled):
+        bus.wait_ready(part, SAMPLE_FIELDS, "actor", min_count=99)
+    assert bus.ready(partition_name(4), SAMPLE_FIELDS) == []  # other partitions are untouched
+    bus.clear(part)
+    bus.put(part, keys[:1], {name: values[:1] for name, values in fields.items()})
+    assert bus.ready(part, SAMPLE_FIELDS) == keys[:1]
+    bus.clear(part)
 
 
 def test_memory_bus_contract() -> None:
