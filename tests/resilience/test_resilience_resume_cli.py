@@ -18,12 +18,13 @@ pytestmark = pytest.mark.slow
 TOTAL = 5
 
 
-def _command(run_dir: Path) -> list[str]:
+def _command(run_dir: Path, mode: list[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
         "relax_launch",
         *TINY_RUN,
+        *mode,
         f"trainer.total_steps={TOTAL}",
         "trainer.save_every=2",
         "trainer.resume=auto",
@@ -35,12 +36,17 @@ def _rewards(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["reward/mean"] for r in read_metrics(run_dir) if "reward/mean" in r}
 
 
-def test_kill_and_rerun_continues_from_the_checkpoint_like_an_uninterrupted_run(tmp_path: Path) -> None:
+# async at staleness 0 follows colocate's schedule, so its resumed curve must equal the uninterrupted one
+# (the checkpoint holds the data position and engine RNG of the first step not handed out)
+@pytest.mark.parametrize("mode", [[], ["mode=async", "mode.max_staleness=0"]], ids=["colocate", "async"])
+def test_kill_and_rerun_continues_from_the_checkpoint_like_an_uninterrupted_run(
+    tmp_path: Path, mode: list[str]
+) -> None:
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # the resumed run goes first; its kill is timed on its own progress
     proc = subprocess.Popen(
-        _command(resumed),
+        _command(resumed, mode),
         cwd=tmp_path,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -59,7 +65,7 @@ def test_kill_and_rerun_continues_from_the_checkpoint_like_an_uninterrupted_run(
     assert steps_before < TOTAL
 
     again = subprocess.run(
-        _command(resumed), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        _command(resumed, mode), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert (
@@ -67,7 +73,7 @@ def test_kill_and_rerun_continues_from_the_checkpoint_like_an_uninterrupted_run(
     )
 
     first = subprocess.run(
-        _command(straight), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        _command(straight, mode), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert first.returncode == 0, first.stderr[-3000:]
 
