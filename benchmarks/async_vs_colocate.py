@@ -1,26 +1,24 @@
-"""Colocate vs fully asynchronous training on the default task, same seed and step budget.
+"""Colocate vs fully asynchronous training on the default task: same seeds, step budget and defaults.
 
-    python benchmarks/async_vs_colocate.py                       # 200 RL steps per mode, staleness 1 and 2
-    python benchmarks/async_vs_colocate.py --steps 30 --staleness 1 --bus-rows 256
+    python benchmarks/async_vs_colocate.py --seeds 1,2,3 --plot docs/img/async_vs_colocate.png   # 500 steps
+    python benchmarks/async_vs_colocate.py --steps 30 --seeds 1 --staleness 1 --skip-bus
 
-Each mode runs ``python -m relax_launch`` (tiny Qwen3, digit sorting, 40-step warm-start, GRPO) in a
-subprocess and is read back from its ``metrics.jsonl``. One JSON line per mode:
+Each (mode, seed) runs ``python -m relax_launch mode=<mode> seed=<seed>`` with every other setting at its
+default (threads per role derived from the cores, off-policy correction on in async) in a subprocess and
+is read back from its ``metrics.jsonl``. One JSON line per run, then one per mode over the seeds
+(mean ± std):
 
-* ``steps_per_hour`` / ``samples_per_s``: RL steps (and generated samples) over the wall time of the RL
-  phase (sum of ``step_time_s``; start-up, warm-start and the first evaluation excluded);
+* ``steps_per_hour``: RL steps over the wall time of the RL phase (sum of ``step_time_s``; start-up,
+  warm-start and the first evaluation excluded); ``speedup``: async over colocate, seed by seed;
 * ``final_reward``: mean train reward of the last 10 % of steps; ``eval_accuracy``: final greedy eval;
-* ``actor_idle_frac``: 1 − Actor compute time / RL wall time (colocate: ``time/train_s`` (+ log-prob
-  passes); async: ``time/actor_busy_s``, i.e. training minus the time it waited for data);
-* ``mean_staleness``: average policy lag of the trained samples.
+* ``overlap_bound``: the speed-up perfect overlap would give, from colocate's own phase times of the same
+  seed: Σ step time / Σ max(rollout, train + weight sync + log-prob passes); ``of_bound``: speedup / bound;
+* ``actor_idle_frac``: 1 − Actor compute time / RL wall time; ``mean_staleness``: policy lag of the
+  trained samples.
 
 Then one JSON line per bus implementation: start-up seconds and put/get throughput (samples/s) for rows
 shaped like a default step (prompt ~12 tokens, response ≤ 8 tokens, rewards, log-probs).
-
-Budget: colocate gives each phase both cores (``num_threads=2``, ``--colocate-threads``); async gives the
-Rollout and the Actor one core each (``num_threads=1``) because they run at the same time: with two threads
-each on two cores, OpenMP threads spin on descheduled peers (at load 5-8 one 128-sample train step took
-1.8-3.8 s with 2 threads against 0.26-0.30 s with 1). Async rollout is unchunked by default (``--chunk``):
-the Actor's micro-batch is the whole step, so chunks only add engine calls. Numbers depend on machine load.
+Numbers depend on machine load: measure on a quiet machine.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ ENV = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def run_mode(name: str, overrides: list[str], steps: int, seed: int, out_root: Path) -> dict:
-    out = out_root / name
+    out = out_root / f"{name}_seed{seed}"
     cmd = [
         sys.executable,
         "-m",
@@ -49,8 +47,6 @@ def run_mode(name: str, overrides: list[str], steps: int, seed: int, out_root: P
         f"seed={seed}",
         "logger=jsonl",
         "logger.plot=false",
-        f"trainer.eval_every={steps}",
-        "trainer.sft_warmup_steps=40",  # the setup its README numbers were measured with
         f"hydra.run.dir={out}",
         *overrides,
     ]
@@ -58,7 +54,7 @@ def run_mode(name: str, overrides: list[str], steps: int, seed: int, out_root: P
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
     total_wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        return {"mode": name, "error": proc.stdout[-2000:] + proc.stderr[-2000:]}
+        return {"mode": name, "seed": seed, "error": proc.stdout[-2000:] + proc.stderr[-2000:]}
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rl = [r for r in rows if r["step"] > 0]
     wall = sum(r["step_time_s"] for r in rl)
@@ -66,22 +62,80 @@ def run_mode(name: str, overrides: list[str], steps: int, seed: int, out_root: P
         busy = sum(r["time/actor_busy_s"] for r in rl)
     else:
         busy = sum(r.get("time/train_s", 0.0) + r.get("time/logprob_s", 0.0) for r in rl)
-    samples = sum(1 for _ in rl) * batch_samples(overrides)
     tenth = max(1, len(rl) // 10)
     summary = json.loads((out / "summary.json").read_text())
-    return {
+    result = {
         "mode": name,
+        "seed": seed,
         "steps": len(rl),
         "rl_wall_s": round(wall, 1),
         "total_wall_s": round(total_wall, 1),
         "steps_per_hour": round(3600 * len(rl) / wall, 1),
-        "samples_per_s": round(samples / wall, 1),
         "final_reward": round(sum(r["reward/mean"] for r in rl[-tenth:]) / tenth, 4),
         "eval_accuracy": summary.get("eval_accuracy_final"),
         "actor_idle_frac": round(1 - busy / wall, 3),
         "mean_staleness": round(sum(r.get("staleness/mean", 0.0) for r in rl) / len(rl), 3),
-        "mean_actor_data_wait_s": round(sum(r.get("time/actor_data_wait_s", 0.0) for r in rl) / len(rl), 3),
+        "rewards": [r["reward/mean"] for r in rl],
     }
+    if name == "colocate":
+        trainer_side = sum(
+            r.get("time/train_s", 0.0) + r.get("time/weight_sync_s", 0.0) + r.get("time/logprob_s", 0.0)
+            for r in rl
+        )
+        overlapped = sum(
+            max(
+                r.get("time/rollout_s", 0.0),
+                r.get("time/train_s", 0.0) + r.get("time/weight_sync_s", 0.0) + r.get("time/logprob_s", 0.0),
+            )
+            for r in rl
+        )
+        result["overlap_bound"] = round(wall / overlapped, 3) if overlapped else None
+        result["trainer_share"] = round(trainer_side / wall, 3)
+    return result
+
+
+def mean_std(values: list[float]) -> list[float]:
+    n = len(values)
+    mean = sum(values) / n
+    std = (sum((v - mean) ** 2 for v in values) / max(n - 1, 1)) ** 0.5
+    return [round(mean, 4), round(std, 4)]
+
+
+def aggregate(runs: list[dict], colocate: dict[int, dict]) -> dict:
+    """mean ± std over seeds of one mode's runs; speed-up and its share of the overlap bound per seed."""
+    out = {"mode": runs[0]["mode"], "seeds": [r["seed"] for r in runs]}
+    for key in ("steps_per_hour", "final_reward", "eval_accuracy", "actor_idle_frac", "mean_staleness"):
+        out[key] = mean_std([float(r[key] or 0.0) for r in runs])
+    if runs[0]["mode"] != "colocate":
+        pairs = [(r, colocate[r["seed"]]) for r in runs if r["seed"] in colocate]
+        speedups = [r["steps_per_hour"] / c["steps_per_hour"] for r, c in pairs]
+        out["speedup"] = mean_std(speedups)
+        out["overlap_bound"] = mean_std([c["overlap_bound"] for _, c in pairs])
+        out["of_bound"] = mean_std(
+            [sp / c["overlap_bound"] for sp, (_, c) in zip(speedups, pairs, strict=True)]
+        )
+    return out
+
+
+def plot(by_mode: dict[str, list[dict]], path: str) -> None:
+    """Train reward per step (mean over seeds, 10-step moving average) of every mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, runs in by_mode.items():
+        steps = min(len(r["rewards"]) for r in runs)
+        mean = [sum(r["rewards"][i] for r in runs) / len(runs) for i in range(steps)]
+        smooth = [sum(mean[max(0, i - 9) : i + 1]) / len(mean[max(0, i - 9) : i + 1]) for i in range(steps)]
+        ax.plot(range(1, steps + 1), smooth, label=f"{name} ({len(runs)} seeds)")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("train reward (10-step mean)")
+    ax.set_title("colocate vs async on the default task")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def batch_samples(overrides: list[str]) -> int:
@@ -149,49 +203,37 @@ def bus_throughput(rows: int, repeats: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds")
     ap.add_argument("--staleness", default="1,2", help="comma-separated max_staleness values for async")
-    ap.add_argument("--chunk", type=int, default=0, help="mode.rollout_chunk_prompts for async")
-    ap.add_argument("--colocate-threads", type=int, default=2, help="torch threads of colocate's roles")
+    ap.add_argument("--plot", default=None, help="write the reward curves to this PNG")
     ap.add_argument("--bus-rows", type=int, default=128)
     ap.add_argument("--bus-repeats", type=int, default=5)
     ap.add_argument("--skip-runs", action="store_true")
+    ap.add_argument("--skip-bus", action="store_true")
     ap.add_argument("--out", default=None, help="where runs write (default: a temp dir)")
     args = ap.parse_args()
     out_root = Path(args.out or tempfile.mkdtemp(prefix="relax_async_bench_"))
-    cpus = ["cluster.num_cpus=4"]
-    results = []
+    modes = {"colocate": ["mode=colocate"]}
+    for s in [int(x) for x in args.staleness.split(",") if x]:
+        modes[f"async_s{s}"] = ["mode=async", f"mode.max_staleness={s}"]
+    by_mode: dict[str, list[dict]] = {name: [] for name in modes}
     if not args.skip_runs:
-        threads = [
-            f"rollout.num_threads={args.colocate_threads}",
-            f"trainer.num_threads={args.colocate_threads}",
-        ]
-        colocate = run_mode("colocate", ["mode=colocate", *threads, *cpus], args.steps, args.seed, out_root)
-        print(json.dumps(colocate), flush=True)
-        results.append(colocate)
-        for s in [int(x) for x in args.staleness.split(",") if x]:
-            async_ = run_mode(
-                f"async_s{s}",
-                [
-                    "mode=async",
-                    f"mode.max_staleness={s}",
-                    f"mode.rollout_chunk_prompts={args.chunk}",
-                    "rollout.num_threads=1",
-                    "trainer.num_threads=1",
-                    *cpus,
-                ],
-                args.steps,
-                args.seed,
-                out_root,
-            )
-            if "steps_per_hour" in async_ and "steps_per_hour" in colocate:
-                async_["speedup_vs_colocate"] = round(
-                    async_["steps_per_hour"] / colocate["steps_per_hour"], 2
-                )
-            print(json.dumps(async_), flush=True)
-    for line in bus_throughput(args.bus_rows, args.bus_repeats):
-        print(json.dumps(line), flush=True)
+        for seed in [int(x) for x in args.seeds.split(",") if x]:
+            for name, overrides in modes.items():
+                result = run_mode(name, overrides, args.steps, seed, out_root)
+                print(json.dumps({k: v for k, v in result.items() if k != "rewards"}), flush=True)
+                if "error" not in result:
+                    by_mode[name].append(result)
+        colocate = {r["seed"]: r for r in by_mode["colocate"]}
+        for runs in by_mode.values():
+            if runs:
+                print(json.dumps(aggregate(runs, colocate)), flush=True)
+        if args.plot:
+            plot({k: v for k, v in by_mode.items() if v}, args.plot)
+    if not args.skip_bus:
+        for line in bus_throughput(args.bus_rows, args.bus_repeats):
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
