@@ -1,0 +1,47 @@
+"""A step that keeps failing with a role actor's error although no role is dead (nothing to replace) is
+retried a bounded number of times, then the run fails with one line naming the error."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+from relax_core.health import HealthManager, RunFailedError
+
+
+@ray.remote
+class Callee:
+    def ping(self) -> str:
+        return "pong"
+
+
+@ray.remote
+class Caller:
+    def call(self, other) -> str:
+        return ray.get(other.ping.remote())
+
+
+def test_a_step_failing_without_a_dead_role_gives_up_naming_the_error(ray_cluster, tmp_path) -> None:
+    callee, caller = Callee.remote(), Caller.remote()
+    assert ray.get(caller.call.remote(callee)) == "pong"
+    ray.kill(callee)  # every later call through the (alive) caller fails with ActorDiedError
+    trainer = SimpleNamespace(heartbeat_interval_s=0, heartbeat_timeout_s=10, max_role_restarts=1)
+    health = HealthManager(lambda: {}, trainer, 0, str(tmp_path), lambda *a: None)
+    stream = SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None)
+    attempts = []
+
+    def step(n: int) -> dict[str, float]:
+        attempts.append(n)
+        return ray.get(caller.call.remote(callee))
+
+    with pytest.raises(RunFailedError) as failed:
+        health.run_step(7, step, stream)
+    assert attempts == [7, 7, 7]  # the first try and max_role_restarts + 1 retries
+    headline = str(failed.value).splitlines()[0]
+    assert (
+        headline.startswith("run failed: step 7 failed 3 times; last error: ")
+        and "ActorDiedError" in headline
+    )
+    assert (tmp_path / "failure_report.json").is_file()
