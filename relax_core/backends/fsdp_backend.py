@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -48,17 +49,33 @@ class FSDPBackend(TorchBackend):
         super().__init__(model_path, trainer_cfg, model_cfg, temperature=temperature, trainable=trainable)
 
     def _load_device(self) -> torch.device:
-        """The CPU: ``fully_shard`` moves each layer to the accelerator as it shards it, so a GPU never
-        holds more than one full layer besides its shards."""
-        return torch.device("cpu")
+        """The meta device: every rank builds the architecture only; :meth:`_shard` fills in its shards."""
+        return torch.device("meta")
 
     def _shard(self) -> None:
+        """Shard the meta model, allocate this rank's shards on its device, and fill them from the weights
+        rank 0 alone reads (on the CPU): no other rank ever holds the full model."""
         mesh = init_device_mesh(self.device.type, (self.ranks,))
         # one unit per decoder layer (its all-gather overlaps the previous layer's compute on GPU), then
         # the root for embeddings, final norm and the (possibly tied) head
         for layer in _decoder_layers(self.model):
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+        self.model.to_empty(device=self.device)
+        cpu = torch.device("cpu")
+        source = self._build_model(self.model_path, self.model_cfg, cpu) if self.rank == 0 else None
+        set_model_state_dict(
+            self.model,
+            source.state_dict() if source is not None else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        # buffers outside the state dict (rotary ``inv_freq``) are computed at construction, which the
+        # meta device skipped: rank 0 sends its own
+        source_buffers = dict(source.named_buffers()) if source is not None else {}
+        for name, buffer in self.model.named_buffers():
+            if source is not None:
+                buffer.copy_(source_buffers[name])
+            dist.broadcast(buffer, src=0)
 
     # ------------------------------------------------------------------ forward / train
     @torch.no_grad()

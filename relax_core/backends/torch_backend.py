@@ -43,8 +43,9 @@ class TorchBackend(TrainingBackend):
         self.model_path = model_path
         self.temperature = temperature
         self.family = model_cfg.family
+        self.model_cfg = model_cfg
         self.device = role_device()
-        self.model = self._build_model(model_path, model_cfg)
+        self.model = self._build_model(model_path, model_cfg, self._load_device())
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
         if trainable and model_cfg.gradient_checkpointing:
@@ -55,18 +56,19 @@ class TorchBackend(TrainingBackend):
         if trainable:
             self.reset_optimizer(trainer_cfg.lr)
 
-    def _build_model(self, model_path: str, model_cfg) -> torch.nn.Module:
-        """The model this backend trains or scores with (a value-head model for the Critic)."""
+    def _build_model(self, model_path: str, model_cfg, device: torch.device) -> torch.nn.Module:
+        """The model this backend trains or scores with (a value-head model for the Critic), on ``device``
+        (``meta``: the architecture without weights)."""
         return load_causal_lm(
             model_path,
             model_cfg.dtype,
             model_cfg.attn_implementation,
             family=model_cfg.family,
-            device=self._load_device(),
+            device=device,
         )
 
     def _load_device(self) -> torch.device:
-        """Where the full model is loaded: the role's device."""
+        """Where the model is built: the role's device."""
         return self.device
 
     def _shard(self) -> None:

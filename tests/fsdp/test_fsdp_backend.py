@@ -81,7 +81,8 @@ def _worker(rank: int, port: int, model_dir: str, tmp: str, queue: Any) -> None:
         batch = make_batch(load_tokenizer(model_dir))
         torch.manual_seed(3)
         backend = FSDPBackend(model_dir, TRAINER, ModelConfig())
-        result = trajectory(backend, batch, Path(tmp) / "ckpt")
+        loaded = {"weights": backend.state_dict(), "buffers": dict(backend.model.named_buffers())}
+        result = trajectory(backend, batch, Path(tmp) / "ckpt") | {"loaded": loaded}
         buckets = list(backend.iter_weights(bucket_bytes=40_000))
         result["bucket_sizes"] = [sum(t.numel() * t.element_size() for t in b.values()) for b in buckets]
         result["bucket_names"] = [name for b in buckets for name in b]
@@ -146,6 +147,28 @@ def test_two_ranks_match_one_rank_loss_grad_norm_and_weights(sharded, single) ->
         assert single["step1"]["grad_norm"] > TRAINER.grad_clip  # clipping was exercised
         _assert_weights_close(r["weights1"], single["weights1"])
         _assert_weights_close(r["weights2"], single["weights2"])
+
+
+def test_meta_init_ranks_receive_rank0s_weights_and_buffers(sharded, tiny_model_dir: Path) -> None:
+    """Every rank builds the model on the meta device and only rank 0 reads the folder: the shards the
+    ranks end up with are exactly the folder's weights, and the rotary buffers (outside the state dict)
+    are rank 0's; the log-probs equal the unsharded model's (test above)."""
+    from relax_models.loader import load_causal_lm
+
+    model = load_causal_lm(str(tiny_model_dir))
+    for rank in range(WORLD):
+        loaded = sharded[rank]["loaded"]
+        _assert_weights_equal(loaded["weights"], model.state_dict())
+        buffers = dict(model.named_buffers())
+        assert loaded["buffers"] and sorted(loaded["buffers"]) == sorted(buffers)
+        for name, tensor in buffers.items():
+            assert torch.equal(loaded["buffers"][name], tensor), name
+
+
+def _assert_weights_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
 
 
 def test_each_rank_holds_half_the_parameters(sharded, single) -> None:
