@@ -2,6 +2,7 @@
 
     python benchmarks/fsdp_memory.py                      # 27M-parameter Qwen3, 16 x 64-token batch, 3 steps
     python benchmarks/fsdp_memory.py --hidden 256 --layers 4 --steps 2
+    python benchmarks/fsdp_memory.py --hidden 1536 --layers 12 --steps 0   # 0.3B parameters: load only
 
 Each configuration runs in fresh processes (gloo on 127.0.0.1, one thread per rank) and trains on the same
 global batch. One JSON line per rank:
@@ -95,7 +96,7 @@ def _rank(rank: int, world: int, kind: str, port: int, model_dir: str, args, out
         "optim_mb": round(_mb(_local(v) for v in optim), 1),
         "load_peak_rss_mb": load_peak_rss_mb,
         "peak_rss_mb": _peak_rss_mb(),
-        "step_s": round(statistics.median(times), 3),
+        "step_s": round(statistics.median(times), 3) if times else None,
         "global_batch": f"{args.samples}x{args.length}",
     }
     (Path(out) / f"{kind}{world}_{rank}.json").write_text(json.dumps(row))

@@ -119,11 +119,8 @@ class FSDPBackend(TorchBackend):
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Full HF-named weights; each rank keeps its shard."""
-        set_state_dict(
-            self.model,
-            [],
-            model_state_dict=state_dict,
-            options=StateDictOptions(full_state_dict=True, strict=False),
+        set_model_state_dict(
+            self.model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False)
         )
 
     # ------------------------------------------------------------------ checkpoints

@@ -83,6 +83,26 @@ class TorchBackend(TrainingBackend):
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(t))
 
+    def offload(self) -> None:
+        """Parameters and optimizer state to the CPU, gradients dropped (the next step zeroes them anyway);
+        nothing to do for a model that lives on the CPU."""
+        if self.device.type != "cpu":
+            self.model.zero_grad(set_to_none=True)
+            self._move_to(torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.device.type != "cpu":
+            self._move_to(self.device)
+
+    def _move_to(self, device: torch.device) -> None:
+        self.model.to(device)
+        for state in self.optimizer.state.values() if self.optimizer else ():
+            for key, value in state.items():
+                # Adam's scalar step count stays on the CPU (where a non-capturable optimizer keeps it)
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = value.to(device)
+
     def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # multimodal rows: pixel/audio tensors as forward kwargs; the model derives its M-RoPE positions
         # from input_ids + grids itself, so no position_ids are passed (right padding is fine)

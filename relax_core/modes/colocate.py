@@ -199,7 +199,12 @@ class ColocateMode(Mode):
             return result
 
         t0 = time.perf_counter()
+        offload = self.cfg.trainer.offload  # the Actor leaves the device to the engines while they generate
+        if offload:
+            timed("offload", self.roles.actor.call_collective, "offload")
         samples = timed("rollout", self.collect)
+        if offload:
+            timed("onload", self.roles.actor.call_collective, "onload")
         batch = TrainBatch.from_samples(samples, self.ctx.tokenizer.pad_token_id)
         timed("logprob", self.annotate, batch)
         batch.extras["advantages"] = timed("advantages", self.advantages.compute, batch)

@@ -75,6 +75,7 @@ def _worker(rank: int, port: int, model_dir: str, tmp: str, queue: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
+        from relax_core.backends import build_backend
         from relax_core.backends.fsdp_backend import FSDPBackend
         from relax_models.loader import load_tokenizer
 
@@ -88,6 +89,16 @@ def _worker(rank: int, port: int, model_dir: str, tmp: str, queue: Any) -> None:
         result["bucket_names"] = [name for b in buckets for name in b]
         result["local_numel"] = sum(p.to_local().numel() for p in backend.model.parameters())
         backend.export_hf(str(Path(tmp) / "export"))
+        # the Reference of a colocate run with trainer.fsdp: frozen, sharded over the same number of ranks
+        reference = build_backend(
+            "torch", model_dir, TRAINER, ModelConfig(), 1.0, 0, trainable=False, sharded=True
+        )
+        result["reference"] = {
+            "kind": type(reference).__name__,
+            "optimizer": reference.optimizer,
+            "local_numel": sum(p.to_local().numel() for p in reference.model.parameters()),
+            "logprobs": reference.forward_logprobs(batch, 3),
+        }
         # exact resume: a fresh backend loads the step-1 checkpoint and retakes step 2
         torch.manual_seed(99)  # the checkpoint's RNG state must win over this
         resumed = FSDPBackend(model_dir, TRAINER, ModelConfig())
@@ -175,6 +186,18 @@ def test_each_rank_holds_half_the_parameters(sharded, single) -> None:
     full = sum(t.numel() for name, t in single["weights1"].items() if name != "lm_head.weight")
     for rank in range(WORLD):
         assert sharded[rank]["local_numel"] <= full // WORLD + 1024  # dim-0 shards, padded rows at most
+
+
+def test_sharded_reference_scores_like_the_unsharded_model(sharded, single) -> None:
+    """``build_backend(..., trainable=False, sharded=True)`` (the colocate Reference): half the weights per
+    rank, no optimizer, and the log-probs of the unsharded model loaded from the same folder."""
+    full = sum(t.numel() for name, t in single["weights1"].items() if name != "lm_head.weight")
+    for rank in range(WORLD):
+        reference = sharded[rank]["reference"]
+        assert reference["kind"] == "FSDPBackend" and reference["optimizer"] is None
+        assert reference["local_numel"] <= full // WORLD + 1024
+        torch.testing.assert_close(reference["logprobs"], single["logprobs"], rtol=1e-5, atol=1e-5)
+        assert torch.equal(reference["logprobs"], sharded[rank]["logprobs"])  # the Actor's before training
 
 
 def test_sharded_checkpoint_resumes_exactly(sharded) -> None:
