@@ -1,6 +1,8 @@
 """The torch backend sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``) over data-parallel ranks.
 
-One instance runs in each Actor rank (``trainer.dp_size`` ranks, gloo on CPU, NCCL on GPU). Every method
+One instance runs in each Actor rank (``trainer.dp_size`` ranks, gloo on CPU, NCCL on GPU), and in each rank
+of the Reference in colocate mode (frozen: no optimizer). Every rank builds the model on the meta device;
+rank 0 alone reads the weights and sends each rank its shards, so no other rank holds the full model. Every method
 that touches weights is collective: the driver calls all ranks with the *whole* batch and each rank trains
 on its own contiguous slice. Gradients are averaged by FSDP's reduce-scatter, so each rank scales its
 gradient by the rank count: N ranks then take exactly the step one rank takes on the global batch.
