@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import tempfile
 import time
@@ -57,7 +56,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _peak_rss_mb() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    """This process's peak RSS (``VmHWM``). Not ``getrusage``: its ``ru_maxrss`` keeps the peak of the
+    parent that forked this spawned rank (which built the model folder), a floor under every rank."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
 def _rank(rank: int, world: int, kind: str, port: int, model_dir: str, args, out: str) -> None:
