@@ -2,14 +2,18 @@
 
     python benchmarks/fsdp_memory.py                      # 27M-parameter Qwen3, 16 x 64-token batch, 3 steps
     python benchmarks/fsdp_memory.py --hidden 256 --layers 4 --steps 2
+    python benchmarks/fsdp_memory.py --hidden 1536 --layers 12 --steps 0   # 0.3B parameters: load only
 
 Each configuration runs in fresh processes (gloo on 127.0.0.1, one thread per rank) and trains on the same
 global batch. One JSON line per rank:
 
 * ``param_mb`` / ``grad_mb`` / ``optim_mb``: bytes of this rank's parameter, gradient and AdamW-state
   tensors (local shards under FSDP), measured from the tensors after the last step;
-* ``peak_rss_mb``: the process's peak resident memory (includes Python, torch and the full model that is
-  loaded before sharding, so it falls by less than the tensor totals);
+* ``load_peak_rss_mb``: the process's peak resident memory once the backend is built (FSDP: every rank
+  builds the model on the meta device and only rank 0 reads the weights, so the other ranks never hold
+  the full model);
+* ``peak_rss_mb``: the process's peak resident memory after the steps (includes Python and torch, so it
+  falls by less than the tensor totals);
 * ``step_s``: median wall time of one optimizer step (the global batch split over the ranks).
 """
 
@@ -18,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import tempfile
 import time
@@ -52,6 +55,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _peak_rss_mb() -> float:
+    """This process's peak RSS (``VmHWM``). Not ``getrusage``: its ``ru_maxrss`` keeps the peak of the
+    parent that forked this spawned rank (which built the model folder), a floor under every rank."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
 def _rank(rank: int, world: int, kind: str, port: int, model_dir: str, args, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -63,6 +75,7 @@ def _rank(rank: int, world: int, kind: str, port: int, model_dir: str, args, out
 
     trainer = TrainerConfig(lr=1e-4, lr_decay="constant", fsdp=kind == "fsdp", dp_size=world)
     backend = (FSDPBackend if kind == "fsdp" else TorchBackend)(model_dir, trainer, ModelConfig())
+    load_peak_rss_mb = _peak_rss_mb()
     batch = _batch(load_tokenizer(model_dir), args.samples, args.length)
     algo = AlgorithmConfig()
     tokens, seqs = float(batch.loss_mask.sum()), sequence_count(batch, algo)
@@ -85,8 +98,9 @@ def _rank(rank: int, world: int, kind: str, port: int, model_dir: str, args, out
         "param_mb": round(_mb(_local(p) for p in params), 1),
         "grad_mb": round(_mb(_local(p.grad) for p in params if p.grad is not None), 1),
         "optim_mb": round(_mb(_local(v) for v in optim), 1),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "step_s": round(statistics.median(times), 3),
+        "load_peak_rss_mb": load_peak_rss_mb,
+        "peak_rss_mb": _peak_rss_mb(),
+        "step_s": round(statistics.median(times), 3) if times else None,
         "global_batch": f"{args.samples}x{args.length}",
     }
     (Path(out) / f"{kind}{world}_{rank}.json").write_text(json.dumps(row))

@@ -410,6 +410,9 @@ class TrainerConfig:
     dp_size: int = 1
     # torch backend: shard parameters, gradients and optimizer state over the ranks (FSDP2)
     fsdp: bool = False
+    # mode=colocate, torch backend: the Actor's parameters, gradients and optimizer state leave the GPU while
+    # the rollout engines generate and come back before training (a no-op for a model on the CPU)
+    offload: bool = False
     megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
 
 

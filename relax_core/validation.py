@@ -39,6 +39,11 @@ def validate(cfg) -> None:
     from relax_core.placement import check_training_ranks
 
     check_training_ranks(cfg)
+    if t.offload and (cfg.mode.name != "colocate" or t.backend != "torch"):
+        raise RelaxUserError(
+            f"trainer.offload frees the device between colocate phases of the torch backend; this run has "
+            f"mode={cfg.mode.name}, trainer.backend={t.backend}: set trainer.offload=false"
+        )
 
     validate_model_and_modality(cfg)
     for key, value in {

@@ -100,14 +100,7 @@ class FamilySpec:
         without the talker and its thinker returned: that is the part that reads text/image/audio and writes
         text. Its parameter names then lack the checkpoint's ``thinker.`` prefix.
         """
-        from transformers import AutoConfig
-
-        model_type = AutoConfig.from_pretrained(path).model_type
-        if model_type not in self.model_types:
-            raise RelaxUserError(
-                f"{path} holds a {model_type!r} checkpoint, not model family {self.name!r} "
-                f"(expects model_type {' or '.join(self.model_types)})"
-            )
+        model_type = self._folder_config(path).model_type
         kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
         if model_type == "qwen3_omni_moe":
             full = self.resolve("Qwen3OmniMoeForConditionalGeneration").from_pretrained(
@@ -115,6 +108,29 @@ class FamilySpec:
             )
             return full.thinker
         return self.model_cls.from_pretrained(path, **kwargs)
+
+    def empty(
+        self, path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
+    ) -> torch.nn.Module:
+        """The module :meth:`load` returns, built on the meta device from the folder's config: parameter
+        names and shapes without reading or allocating any weight (FSDP ranks receive their shards)."""
+        config = self._folder_config(path)
+        if config.model_type == "qwen3_omni_moe":  # what ``load`` keeps of a full Omni checkpoint
+            config = config.thinker_config
+        with torch.device("meta"):
+            return self.model_cls._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+
+    def _folder_config(self, path: str | Path) -> Any:
+        """The folder's HF config, checked to belong to this family."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        if config.model_type not in self.model_types:
+            raise RelaxUserError(
+                f"{path} holds a {config.model_type!r} checkpoint, not model family {self.name!r} "
+                f"(expects model_type {' or '.join(self.model_types)})"
+            )
+        return config
 
 
 _VL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids")

@@ -62,22 +62,26 @@ def load_causal_lm(
     ``model_type`` against it; without it the family follows from the ``model_type``, and a folder of no
     known family falls back to ``AutoModelForCausalLM``. Multimodal families load their conditional-
     generation class (for Qwen3-Omni: the thinker), which a plain ``AutoModelForCausalLM`` would not.
+
+    ``device="meta"`` builds the same module without reading the weights (see ``FamilySpec.empty``).
     """
     if dtype not in DTYPES:
         raise RelaxUserError(f"model.dtype={dtype!r} is not one of {sorted(DTYPES)}")
     from relax_models.families import FAMILIES, family_for_model_type, get_family
 
+    kwargs = {"dtype": DTYPES[dtype], "attn_implementation": attn_implementation}
+    empty = torch.device(device).type == "meta"
     if family is None:
         model_type = model_family(path)
         known = {t for spec in FAMILIES.values() for t in spec.model_types}
         if model_type not in known:
-            return AutoModelForCausalLM.from_pretrained(
-                path, dtype=DTYPES[dtype], attn_implementation=attn_implementation
-            ).to(device)
+            if empty:
+                with torch.device("meta"):
+                    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **kwargs)
+            return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
         family = family_for_model_type(model_type)
-    return (
-        get_family(family).load(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation).to(device)
-    )
+    spec = get_family(family)
+    return spec.empty(path, **kwargs) if empty else spec.load(path, **kwargs).to(device)
 
 
 def model_family(path: str) -> str:

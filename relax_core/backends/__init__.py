@@ -7,17 +7,26 @@ from relax_core.errors import RelaxUserError
 
 
 def build_backend(
-    name: str, model_path: str, trainer_cfg, model_cfg, temperature: float, seed: int, trainable: bool = True
+    name: str,
+    model_path: str,
+    trainer_cfg,
+    model_cfg,
+    temperature: float,
+    seed: int,
+    trainable: bool = True,
+    sharded: bool | None = None,
 ) -> TrainingBackend:
     """The backend ``trainer.backend`` names; ``trainable=False`` for frozen scorers (Reference).
 
-    ``trainer.fsdp`` shards a *trainable* torch model over the Actor's data-parallel ranks; a frozen scorer
-    runs as one unsharded process (its group has a single replica).
+    ``trainer.fsdp`` shards a torch model over the process group of its role's ranks when ``sharded``
+    (default: ``trainable``): the Actor's data-parallel ranks, and the Reference in colocate mode, whose
+    group has as many ranks. Other frozen scorers run as one unsharded process.
     """
-    if name == "torch" and trainable and getattr(trainer_cfg, "fsdp", False):
+    shard = trainable if sharded is None else sharded
+    if name == "torch" and shard and getattr(trainer_cfg, "fsdp", False):
         from relax_core.backends.fsdp_backend import FSDPBackend
 
-        return FSDPBackend(model_path, trainer_cfg, model_cfg, temperature=temperature)
+        return FSDPBackend(model_path, trainer_cfg, model_cfg, temperature=temperature, trainable=trainable)
     if name == "torch":
         from relax_core.backends.torch_backend import TorchBackend
 

@@ -104,6 +104,12 @@ class TrainingBackend(abc.ABC):
             if p.grad is not None:
                 p.grad.mul_(factor)
 
+    def offload(self) -> None:
+        """Free the accelerator for another phase (colocate: the rollout engines generate)."""
+
+    def onload(self) -> None:
+        """Undo :meth:`offload` before the next forward or optimizer step."""
+
     @abc.abstractmethod
     def reset_optimizer(self, lr: float) -> None:
         """Fresh optimizer state at learning rate ``lr`` (between phases, e.g. warm-start -> RL)."""

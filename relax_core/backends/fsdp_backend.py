@@ -1,6 +1,8 @@
 """The torch backend sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``) over data-parallel ranks.
 
-One instance runs in each Actor rank (``trainer.dp_size`` ranks, gloo on CPU, NCCL on GPU). Every method
+One instance runs in each Actor rank (``trainer.dp_size`` ranks, gloo on CPU, NCCL on GPU), and in each rank
+of the Reference in colocate mode (frozen: no optimizer). Every rank builds the model on the meta device;
+rank 0 alone reads the weights and sends each rank its shards, so no other rank holds the full model. Every method
 that touches weights is collective: the driver calls all ranks with the *whole* batch and each rank trains
 on its own contiguous slice. Gradients are averaged by FSDP's reduce-scatter, so each rank scales its
 gradient by the rank count: N ranks then take exactly the step one rank takes on the global batch.
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -48,17 +51,33 @@ class FSDPBackend(TorchBackend):
         super().__init__(model_path, trainer_cfg, model_cfg, temperature=temperature, trainable=trainable)
 
     def _load_device(self) -> torch.device:
-        """The CPU: ``fully_shard`` moves each layer to the accelerator as it shards it, so a GPU never
-        holds more than one full layer besides its shards."""
-        return torch.device("cpu")
+        """The meta device: every rank builds the architecture only; :meth:`_shard` fills in its shards."""
+        return torch.device("meta")
 
     def _shard(self) -> None:
+        """Shard the meta model, allocate this rank's shards on its device, and fill them from the weights
+        rank 0 alone reads (on the CPU): no other rank ever holds the full model."""
         mesh = init_device_mesh(self.device.type, (self.ranks,))
         # one unit per decoder layer (its all-gather overlaps the previous layer's compute on GPU), then
         # the root for embeddings, final norm and the (possibly tied) head
         for layer in _decoder_layers(self.model):
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+        self.model.to_empty(device=self.device)
+        cpu = torch.device("cpu")
+        source = self._build_model(self.model_path, self.model_cfg, cpu) if self.rank == 0 else None
+        set_model_state_dict(
+            self.model,
+            source.state_dict() if source is not None else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        # buffers outside the state dict (rotary ``inv_freq``) are computed at construction, which the
+        # meta device skipped: rank 0 sends its own
+        source_buffers = dict(source.named_buffers()) if source is not None else {}
+        for name, buffer in self.model.named_buffers():
+            if source is not None:
+                buffer.copy_(source_buffers[name])
+            dist.broadcast(buffer, src=0)
 
     # ------------------------------------------------------------------ forward / train
     @torch.no_grad()
@@ -102,11 +121,8 @@ class FSDPBackend(TorchBackend):
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Full HF-named weights; each rank keeps its shard."""
-        set_state_dict(
-            self.model,
-            [],
-            model_state_dict=state_dict,
-            options=StateDictOptions(full_state_dict=True, strict=False),
+        set_model_state_dict(
+            self.model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False)
         )
 
     # ------------------------------------------------------------------ checkpoints

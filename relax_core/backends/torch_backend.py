@@ -43,8 +43,9 @@ class TorchBackend(TrainingBackend):
         self.model_path = model_path
         self.temperature = temperature
         self.family = model_cfg.family
+        self.model_cfg = model_cfg
         self.device = role_device()
-        self.model = self._build_model(model_path, model_cfg)
+        self.model = self._build_model(model_path, model_cfg, self._load_device())
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
         if trainable and model_cfg.gradient_checkpointing:
@@ -55,18 +56,19 @@ class TorchBackend(TrainingBackend):
         if trainable:
             self.reset_optimizer(trainer_cfg.lr)
 
-    def _build_model(self, model_path: str, model_cfg) -> torch.nn.Module:
-        """The model this backend trains or scores with (a value-head model for the Critic)."""
+    def _build_model(self, model_path: str, model_cfg, device: torch.device) -> torch.nn.Module:
+        """The model this backend trains or scores with (a value-head model for the Critic), on ``device``
+        (``meta``: the architecture without weights)."""
         return load_causal_lm(
             model_path,
             model_cfg.dtype,
             model_cfg.attn_implementation,
             family=model_cfg.family,
-            device=self._load_device(),
+            device=device,
         )
 
     def _load_device(self) -> torch.device:
-        """Where the full model is loaded: the role's device."""
+        """Where the model is built: the role's device."""
         return self.device
 
     def _shard(self) -> None:
@@ -80,6 +82,26 @@ class TorchBackend(TrainingBackend):
             self.model.parameters(), lr=lr, weight_decay=t.weight_decay, betas=tuple(t.betas), foreach=True
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(t))
+
+    def offload(self) -> None:
+        """Parameters and optimizer state to the CPU, gradients dropped (the next step zeroes them anyway);
+        nothing to do for a model that lives on the CPU."""
+        if self.device.type != "cpu":
+            self.model.zero_grad(set_to_none=True)
+            self._move_to(torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.device.type != "cpu":
+            self._move_to(self.device)
+
+    def _move_to(self, device: torch.device) -> None:
+        self.model.to(device)
+        for state in self.optimizer.state.values() if self.optimizer else ():
+            for key, value in state.items():
+                # Adam's scalar step count stays on the CPU (where a non-capturable optimizer keeps it)
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = value.to(device)
 
     def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # multimodal rows: pixel/audio tensors as forward kwargs; the model derives its M-RoPE positions

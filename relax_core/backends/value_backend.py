@@ -65,8 +65,8 @@ class ValueBackend(TorchBackend):
         )
         super().__init__(critic_cfg.model_path or model_path, optimizer_cfg, model_cfg)
 
-    def _build_model(self, model_path: str, model_cfg) -> torch.nn.Module:
-        return ValueModel(model_path, model_cfg.dtype, model_cfg.attn_implementation, self._load_device())
+    def _build_model(self, model_path: str, model_cfg, device: torch.device) -> torch.nn.Module:
+        return ValueModel(model_path, model_cfg.dtype, model_cfg.attn_implementation, device)
 
     def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token output the loss takes: values (a value model has no entropy)."""

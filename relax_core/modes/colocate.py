@@ -47,12 +47,14 @@ class ColocateMode(Mode):
         cfg, needs = self.cfg, self.ctx.needs
         r, t = cfg.rollout, cfg.trainer
         # bundle i: rollout engine i (i < num_engines), actor rank i (i < world); bundle 0 also holds the
-        # Reference, Critic and Teacher
+        # Critic, Teacher and Reference, unless FSDP shards the Reference over ranks like the Actor's
         world = actor_world_size(t)
-        helpers = len(needs.model_roles)
+        shard_reference = needs.reference and t.backend == "torch" and t.fsdp and world > 1
+        helpers = len(needs.model_roles) - shard_reference
         bundles = []
         for i in range(max(r.num_engines, world)):
-            engines, trainers = int(i < r.num_engines), int(i < world) + (helpers if i == 0 else 0)
+            engines = int(i < r.num_engines)
+            trainers = int(i < world) * (1 + shard_reference) + (helpers if i == 0 else 0)
             gpu = engines * r.num_gpus + trainers * t.num_gpus
             bundles.append(
                 {"CPU": engines * r.num_cpus + trainers * t.num_cpus} | ({"GPU": gpu} if gpu else {})
@@ -77,7 +79,21 @@ class ColocateMode(Mode):
         # launch engines + elastic members (scale-out/in, external URLs) behind a router
         pool = RolloutPool(cfg, self.ctx.model_path, self.pg, list(range(r.num_engines)))
         self.roles.rollout = pool
-        if needs.reference:
+        if shard_reference:  # its own process group, rank i next to Actor rank i
+            ref_port = free_port()
+            self.roles.reference = RoleGroup(
+                Reference,
+                "reference",
+                world,
+                self.pg,
+                list(range(world)),
+                t.num_cpus,
+                t.num_gpus,
+                args,
+                env_vars=[rank_env(i, world, ref_port) for i in range(world)],
+                kwargs={"sharded": True},
+            )
+        elif needs.reference:
             self.roles.reference = RoleGroup(
                 Reference, "reference", 1, self.pg, [0], t.num_cpus, t.num_gpus, args
             )
@@ -149,7 +165,7 @@ class ColocateMode(Mode):
         values (Critic), teacher log-probs (Teacher)."""
         roles = self.roles
         if roles.reference is not None:
-            batch.extras["ref_logprobs"] = ray.get(roles.reference.call("compute_ref_log_probs", batch)[0])
+            batch.extras["ref_logprobs"] = roles.reference.call_collective("compute_ref_log_probs", batch)
         if needs_old_logprobs(self.cfg, len(batch)):
             # several updates per batch: the first one's log-probs are the behaviour policy's (ActorFwd)
             batch.extras["old_logprobs"] = roles.actor.call_collective("compute_log_probs", batch)
@@ -184,7 +200,12 @@ class ColocateMode(Mode):
             return result
 
         t0 = time.perf_counter()
+        offload = self.cfg.trainer.offload  # the Actor leaves the device to the engines while they generate
+        if offload:
+            timed("offload", self.roles.actor.call_collective, "offload")
         samples = timed("rollout", self.collect)
+        if offload:
+            timed("onload", self.roles.actor.call_collective, "onload")
         batch = TrainBatch.from_samples(samples, self.ctx.tokenizer.pad_token_id)
         timed("logprob", self.annotate, batch)
         batch.extras["advantages"] = timed("advantages", self.advantages.compute, batch)

@@ -65,6 +65,13 @@ class Actor(WeightSource, WeightReceiver):
         )
         self._in_warm_start = False
 
+    def offload(self) -> None:
+        """mode=colocate with ``trainer.offload``: leave the device to the rollout engines."""
+        self.backend.offload()
+
+    def onload(self) -> None:
+        self.backend.onload()
+
     def compute_log_probs(self, batch: TrainBatch) -> torch.Tensor:
         return self.backend.forward_logprobs(batch, self.cfg.trainer.micro_batch_size)
 

@@ -17,7 +17,9 @@ from relax_models.loader import load_tokenizer
 
 
 class Reference(WeightReceiver):
-    def __init__(self, cfg, model_path: str, bus: DataBus | None = None) -> None:
+    def __init__(self, cfg, model_path: str, bus: DataBus | None = None, sharded: bool = False) -> None:
+        """``sharded``: this process is one rank of a group as large as the Actor's (colocate mode with
+        ``trainer.fsdp``): the frozen model is FSDP-sharded over it and every call runs collectively."""
         use_threads(cfg.trainer.num_threads)
         self.micro_batch_size = cfg.trainer.micro_batch_size
         self.bus = bus
@@ -33,6 +35,7 @@ class Reference(WeightReceiver):
             cfg.rollout.temperature,
             cfg.seed,
             trainable=False,
+            sharded=sharded,
         )
 
     def compute_ref_log_probs(self, batch: TrainBatch) -> torch.Tensor:

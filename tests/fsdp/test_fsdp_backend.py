@@ -75,18 +75,30 @@ def _worker(rank: int, port: int, model_dir: str, tmp: str, queue: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
+        from relax_core.backends import build_backend
         from relax_core.backends.fsdp_backend import FSDPBackend
         from relax_models.loader import load_tokenizer
 
         batch = make_batch(load_tokenizer(model_dir))
         torch.manual_seed(3)
         backend = FSDPBackend(model_dir, TRAINER, ModelConfig())
-        result = trajectory(backend, batch, Path(tmp) / "ckpt")
+        loaded = {"weights": backend.state_dict(), "buffers": dict(backend.model.named_buffers())}
+        result = trajectory(backend, batch, Path(tmp) / "ckpt") | {"loaded": loaded}
         buckets = list(backend.iter_weights(bucket_bytes=40_000))
         result["bucket_sizes"] = [sum(t.numel() * t.element_size() for t in b.values()) for b in buckets]
         result["bucket_names"] = [name for b in buckets for name in b]
         result["local_numel"] = sum(p.to_local().numel() for p in backend.model.parameters())
         backend.export_hf(str(Path(tmp) / "export"))
+        # the Reference of a colocate run with trainer.fsdp: frozen, sharded over the same number of ranks
+        reference = build_backend(
+            "torch", model_dir, TRAINER, ModelConfig(), 1.0, 0, trainable=False, sharded=True
+        )
+        result["reference"] = {
+            "kind": type(reference).__name__,
+            "optimizer": reference.optimizer,
+            "local_numel": sum(p.to_local().numel() for p in reference.model.parameters()),
+            "logprobs": reference.forward_logprobs(batch, 3),
+        }
         # exact resume: a fresh backend loads the step-1 checkpoint and retakes step 2
         torch.manual_seed(99)  # the checkpoint's RNG state must win over this
         resumed = FSDPBackend(model_dir, TRAINER, ModelConfig())
@@ -148,10 +160,44 @@ def test_two_ranks_match_one_rank_loss_grad_norm_and_weights(sharded, single) ->
         _assert_weights_close(r["weights2"], single["weights2"])
 
 
+def test_meta_init_ranks_receive_rank0s_weights_and_buffers(sharded, tiny_model_dir: Path) -> None:
+    """Every rank builds the model on the meta device and only rank 0 reads the folder: the shards the
+    ranks end up with are exactly the folder's weights, and the rotary buffers (outside the state dict)
+    are rank 0's; the log-probs equal the unsharded model's (test above)."""
+    from relax_models.loader import load_causal_lm
+
+    model = load_causal_lm(str(tiny_model_dir))
+    for rank in range(WORLD):
+        loaded = sharded[rank]["loaded"]
+        _assert_weights_equal(loaded["weights"], model.state_dict())
+        buffers = dict(model.named_buffers())
+        assert loaded["buffers"] and sorted(loaded["buffers"]) == sorted(buffers)
+        for name, tensor in buffers.items():
+            assert torch.equal(loaded["buffers"][name], tensor), name
+
+
+def _assert_weights_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
 def test_each_rank_holds_half_the_parameters(sharded, single) -> None:
     full = sum(t.numel() for name, t in single["weights1"].items() if name != "lm_head.weight")
     for rank in range(WORLD):
         assert sharded[rank]["local_numel"] <= full // WORLD + 1024  # dim-0 shards, padded rows at most
+
+
+def test_sharded_reference_scores_like_the_unsharded_model(sharded, single) -> None:
+    """``build_backend(..., trainable=False, sharded=True)`` (the colocate Reference): half the weights per
+    rank, no optimizer, and the log-probs of the unsharded model loaded from the same folder."""
+    full = sum(t.numel() for name, t in single["weights1"].items() if name != "lm_head.weight")
+    for rank in range(WORLD):
+        reference = sharded[rank]["reference"]
+        assert reference["kind"] == "FSDPBackend" and reference["optimizer"] is None
+        assert reference["local_numel"] <= full // WORLD + 1024
+        torch.testing.assert_close(reference["logprobs"], single["logprobs"], rtol=1e-5, atol=1e-5)
+        assert torch.equal(reference["logprobs"], sharded[rank]["logprobs"])  # the Actor's before training
 
 
 def test_sharded_checkpoint_resumes_exactly(sharded) -> None:

@@ -1,4 +1,5 @@
-"""GPU-only training paths: CUDA placement of every model-holding role, bf16 kernels, FSDP2 over NCCL.
+"""GPU-only training paths: CUDA placement of every model-holding role, bf16 kernels, FSDP2 over NCCL,
+the Actor offloaded to the CPU between colocate phases (trainer.offload).
 
 Each test skips on a machine without CUDA (or with fewer GPUs than it needs) and says why; the CPU tests
 in this folder cover the same logic over gloo in fp32.
@@ -71,6 +72,10 @@ def _nccl_worker(rank: int, port: int, model_dir: str) -> None:
     backend = FSDPBackend(model_dir, TrainerConfig(fsdp=True, dp_size=2), ModelConfig(dtype="bfloat16"))
     assert dist.get_backend() == "nccl" and backend.device.type == "cuda"
     assert {p.to_local().device.type for p in backend.model.parameters()} == {"cuda"}
+    backend.offload()  # trainer.offload: the shards leave the GPU and come back
+    assert {p.to_local().device.type for p in backend.model.parameters()} == {"cpu"}
+    backend.onload()
+    assert {p.to_local().device.type for p in backend.model.parameters()} == {"cuda"}
     assert len(backend.state_dict()) > 0
 
 
@@ -81,3 +86,36 @@ def test_fsdp_two_ranks_over_nccl(tiny_model_dir: Path) -> None:
     from relax_models.megatron.cpu_shim import free_port
 
     mp.start_processes(_nccl_worker, args=(free_port(), str(tiny_model_dir)), nprocs=2, start_method="spawn")
+
+
+def test_offload_frees_the_gpu_between_phases_and_training_continues_unchanged(tiny_model_dir: Path) -> None:
+    """trainer.offload: after a step, offload() leaves no parameter, gradient or Adam moment on the GPU;
+    onload() brings them back and the next step equals the one of a backend that never offloaded."""
+    from relax_core.backends.torch_backend import TorchBackend
+    from relax_core.samples import Sample, TrainBatch
+
+    samples = [Sample(i, 0, [5, 6, 7], [8, 9], [0.0, 0.0], [1, 1], reward=float(i)) for i in range(4)]
+    batch = TrainBatch.from_samples(samples, 0)
+
+    def loss_fn(micro, logprobs, entropy):
+        return -(logprobs * micro.loss_mask).sum() / batch.loss_mask.sum(), {}
+
+    trainer = TrainerConfig(lr_decay="constant")
+    torch.manual_seed(0)
+    offloaded = TorchBackend(str(tiny_model_dir), trainer, ModelConfig())
+    torch.manual_seed(0)
+    resident = TorchBackend(str(tiny_model_dir), trainer, ModelConfig())
+    for backend in (offloaded, resident):
+        backend.train_step(batch, loss_fn, 2)
+    offloaded.offload()
+    moments = [v for s in offloaded.optimizer.state.values() for v in s.values() if v.dim() > 0]
+    assert {p.device.type for p in offloaded.model.parameters()} == {"cpu"}
+    assert {v.device.type for v in moments} == {"cpu"} and moments
+    assert all(p.grad is None for p in offloaded.model.parameters())
+    offloaded.onload()
+    assert {p.device.type for p in offloaded.model.parameters()} == {"cuda"}
+    # same kernels on the same inputs; approx only for CUDA's non-deterministic reductions
+    assert offloaded.train_step(batch, loss_fn, 2) == pytest.approx(resident.train_step(batch, loss_fn, 2))
+    want = resident.state_dict()
+    for name, tensor in offloaded.state_dict().items():
+        torch.testing.assert_close(tensor, want[name], msg=name)

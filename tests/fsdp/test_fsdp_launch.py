@@ -28,9 +28,24 @@ def _launch(run_dir: Path, overrides: list[str]) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _rewards(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["reward/mean"] for r in rows if "reward/mean" in r}
+    return {r["step"]: r["reward/mean"] for r in _metrics(run_dir) if "reward/mean" in r}
+
+
+@pytest.mark.slow
+def test_kl_run_shards_the_reference_next_to_the_actor_ranks(tmp_path: Path) -> None:
+    """algorithm.kl_loss_coef > 0 starts the Reference; with trainer=fsdp in colocate it runs as 2 FSDP ranks
+    of its own gloo group (its log-probs equal the unsharded model's: test_fsdp_backend.py)."""
+    run = tmp_path / "kl"
+    summary = _launch(run, [*TINY_FSDP_RUN, "algorithm.kl_loss_coef=0.01", "trainer.total_steps=2"])
+    assert summary["status"] == "finished"
+    rows = [r for r in _metrics(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[-1]["kl"] > 0  # step 2 trains a policy that moved away from the (sharded) Reference
 
 
 @pytest.mark.slow
@@ -44,11 +59,18 @@ def test_two_fsdp_ranks_resume_from_a_sharded_checkpoint_like_the_uninterrupted_
     assert len(list((actor / "dcp").glob("*.distcp"))) == 2  # one shard file per rank
     assert not (actor / "backend.pt").exists()  # no full copy of the model in the checkpoint
 
+    # the resumed run also offloads the Actor between phases (trainer.offload): on the CPU the calls run
+    # and change nothing, so its rewards must still equal the uninterrupted run's, bit for bit
     resumed = tmp_path / "resumed"
-    assert _launch(resumed, [*common, f"trainer.resume={ckpt}"])["status"] == "finished"
+    overrides = [*common, f"trainer.resume={ckpt}", "trainer.offload=true"]
+    assert _launch(resumed, overrides)["status"] == "finished"
     straight_rewards, resumed_rewards = _rewards(straight), _rewards(resumed)
     assert sorted(straight_rewards) == [1, 2, 3, 4]
     assert [resumed_rewards[s] for s in (3, 4)] == [straight_rewards[s] for s in (3, 4)]
+    resumed_rows = [r for r in _metrics(resumed) if r["step"] in (3, 4) and "reward/mean" in r]  # 1-2: kept
+    assert len(resumed_rows) == 2
+    assert all("time/offload_s" in r and "time/onload_s" in r for r in resumed_rows)
+    assert not any("time/offload_s" in r for r in _metrics(straight))
     # rank 0 exported the gathered weights
     from transformers import AutoModelForCausalLM
 
@@ -93,6 +115,7 @@ def _compose(overrides: list[str]):
         ),
         (["trainer=fsdp", "trainer.sft_batch_size=63"], r"trainer.sft_batch_size=63 does not divide over 2"),
         (["trainer=fsdp", "mode=async"], r"started by mode=colocate only"),
+        (["trainer.offload=true", "mode=async"], r"trainer.offload frees the device between colocate phases"),
     ],
 )
 def test_rank_settings_that_cannot_work_are_one_line_user_errors(overrides: list[str], message: str) -> None:
