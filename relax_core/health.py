@@ -221,7 +221,7 @@ class HealthManager:
             self._event("dead", name, i, "process gone or unresponsive")
         for name, i in dead:
             group = groups[name]
-            if name in GLOBAL_ROLES:
+            if name in GLOBAL_ROLES or group.collective:
                 raise GlobalRestartNeeded(f"{name}-{i} died")
             if group.restarts[i] >= self.max_role_restarts:
                 raise GlobalRestartNeeded(f"{name}-{i} failed after {group.restarts[i]} in-place restarts")

@@ -35,6 +35,8 @@ class RoleGroup:
         self.name = name
         remote_cls = ray.remote(role_cls)
         self.restarts = [0] * replicas  # in-place restarts per replica (HealthManager)
+        # ranks of one torch.distributed group: a replacement cannot join it, so losing one is a global restart
+        self.collective = bool(env_vars) and replicas > 1
 
         def spawn(i: int, attempt: int = 0):
             return remote_cls.options(

@@ -37,7 +37,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ -x tests/slurm/start
   fi
 fi
 
-python -m pytest -q "$@"
+python -m pytest -q --durations=30 "$@"
 rc=$?
 if [ "$rc" = 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
 exit "$rc"
