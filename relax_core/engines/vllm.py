@@ -81,6 +81,7 @@ class VLLMEngine(ServerEngine):
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
         memory_fraction: float = 0.5,
+        kv_cache_mib: int | None = None,
         logprobs: str = "processed_logprobs",
         weight_transfer: str = "distributed",
         num_threads: int = 1,
@@ -100,6 +101,8 @@ class VLLMEngine(ServerEngine):
             str(tensor_parallel_size),
         ]
         command += ["--gpu-memory-utilization", str(memory_fraction), "--logprobs-mode", logprobs]
+        if kv_cache_mib is not None:
+            command += ["--kv-cache-memory-bytes", str(kv_cache_mib << 20)]
         command += ["--parent-pid", str(os.getpid())]
         # torch.compile takes minutes on a small CPU and buys little there: eager unless on a GPU
         if enforce_eager if enforce_eager is not None else not torch.cuda.is_available():
@@ -120,6 +123,7 @@ class VLLMEngine(ServerEngine):
             dtype=str(engine_dtype(r.dtype)).removeprefix("torch."),
             tensor_parallel_size=r.tensor_parallel_size,
             memory_fraction=r.memory_fraction,
+            kv_cache_mib=r.kv_cache_mib,
             logprobs=logprobs_mode(r.temperature, r.top_p, r.top_k),
             weight_transfer=r.server_weight_update,
             num_threads=r.num_threads,

@@ -250,6 +250,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--logprobs-mode", default="processed_logprobs")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--parent-pid", type=int, default=None)
@@ -267,6 +268,7 @@ def main() -> None:
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         logprobs_mode=args.logprobs_mode,
         worker_extension_cls=WORKER_EXTENSION,
         enforce_eager=args.enforce_eager,

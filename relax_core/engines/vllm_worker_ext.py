@@ -7,11 +7,18 @@ into its worker, so ``self`` is the worker and the server calls the methods with
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from relax_core.engines.weight_broadcast import join_group
+
+# every reload warns that the rotary embedding "failed to load weights": its cos/sin cache is a buffer no
+# checkpoint holds, and vLLM puts it back; one line per layer per step would bury the run's log
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+    lambda record: not record.getMessage().startswith("RotaryEmbedding:")
+)
 
 
 class WeightLoaderExtension:

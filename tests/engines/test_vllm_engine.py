@@ -40,7 +40,7 @@ PROMPTS = ["sort 31524:", "sort 9:", "hello there, sort 8080:", "x"]
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path):
-    engine = VLLMEngine(str(tiny_model_dir), seed=0, dtype="float32", memory_fraction=0.06)
+    engine = VLLMEngine(str(tiny_model_dir), seed=0, dtype="float32", kv_cache_mib=64)
     yield engine
     engine.shutdown()
 

