@@ -348,8 +348,8 @@ class RolloutConfig:
     # vllm-cpu: of RAM) its weights + KV cache may take
     tensor_parallel_size: int = 1
     memory_fraction: float = 0.5
-    # vllm: the KV cache of each engine server in MiB (null: what memory_fraction leaves after the weights);
-    # vllm-cpu otherwise reserves memory_fraction of all RAM, far more than a tiny model's batch needs
+    # vllm: the KV cache of each engine server in MiB (null: on a GPU what memory_fraction leaves after the
+    # weights, on vllm-cpu 256 MiB instead of memory_fraction of all RAM)
     kv_cache_mib: int | None = None
     # vllm / sglang: how update_weights reaches the server: "distributed" (in memory, a torch.distributed
     # broadcast) or "disk" (a safetensors folder per version, the previous one deleted)

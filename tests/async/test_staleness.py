@@ -59,8 +59,6 @@ def test_staleness_metrics() -> None:
         ("mode.partial_rollout=drop", "mode.partial_rollout='drop'"),
         ("mode.max_staleness=-1", "mode.max_staleness must be >= 0"),
         ("weight_transfer.bucket_mb=0", "weight_transfer.bucket_mb must be > 0"),
-        ("trainer.resume=auto", "trainer.resume is not supported with mode=async"),
-        ("trainer.save_every=5", "trainer.save_every: checkpoints of mode=async"),
     ],
 )
 def test_async_config_errors_name_the_key(tmp_path, override: str, message: str) -> None:
