@@ -3,9 +3,8 @@
 Run by the launcher (``python -m relax_launch experiment=agent_tools_calc``), which sets
 ``OPENAI_BASE_URL`` (the policy under training) and ``RELAX_EPISODES_URL`` (where episodes come from).
 Each episode is a question such as ``7+5`` or ``7*5``. The program offers two functions, ``add(a, b)`` and
-``mul(a, b)``; when the model calls one, the program runs it and sends the result back as a ``tool``
-message; a reply without a call is the final answer. Reward 1 for the right final answer given after a
-call, so the model has to pick the function that fits the question.
+``mul(a, b)``, runs the one the model calls and answers with its result: reward 1 for the right answer, so
+the model has to pick the function that fits the question and pass it the question's numbers.
 ``RELAX_AGENT_STREAM=1`` reads every reply as a stream of chunks instead.
 """
 
@@ -20,7 +19,6 @@ from openai import OpenAI
 BASE_URL = os.environ["OPENAI_BASE_URL"].rstrip("/")
 EPISODES_URL = os.environ.get("RELAX_EPISODES_URL", f"{BASE_URL}/episodes/next")
 STREAM = os.environ.get("RELAX_AGENT_STREAM") == "1"
-MAX_TURNS = 3
 TOOLS = [
     {
         "type": "function",
@@ -89,20 +87,14 @@ def ask(client: OpenAI, session_id: str, messages: list[dict]) -> dict:
 
 
 def play(client: OpenAI, episode: dict) -> None:
-    """One episode: up to MAX_TURNS model turns, then the reward goes back to the trainer."""
+    """One episode: the model's reply; the program answers with the result of its first call (a reply
+    without a call answers nothing). The reward goes back to the trainer."""
     session_id, messages = episode["session_id"], list(episode["messages"])
-    tool_calls, right_tool, correct = 0, False, False
-    for _ in range(MAX_TURNS):
-        message = ask(client, session_id, messages)
-        if not message["tool_calls"]:  # the final answer
-            correct = tool_calls > 0 and (message["content"] or "").strip() == str(episode["label"])
-            break
-        messages.append(message)
-        for call in message["tool_calls"]:
-            tool_calls += 1
-            right_tool = right_tool or call["function"]["name"] == episode["metadata"]["tool"]
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": run_call(call)})
-    metrics = {"acc": float(correct), "tool_called": float(tool_calls > 0), "right_tool": float(right_tool)}
+    calls = ask(client, session_id, messages)["tool_calls"]
+    answer = run_call(calls[0]) if calls else ""
+    right_tool = bool(calls) and calls[0]["function"]["name"] == episode["metadata"]["tool"]
+    correct = answer == str(episode["label"])
+    metrics = {"acc": float(correct), "tool_called": float(bool(calls)), "right_tool": float(right_tool)}
     post(f"{BASE_URL}/sessions/{session_id}/reward", {"reward": float(correct), "metrics": metrics})
 
 

@@ -75,33 +75,27 @@ TOOL_FOR_OPERATOR = {"+": "add", "*": "mul"}
 @synthetic_task("calc_tools")
 def calc_tools_row(rng: random.Random, cfg) -> dict:
     """``7*5`` or ``7+5`` for the function-calling agent ``examples/agents/calc_tools_agent.py``, which
-    offers ``add(a, b)`` and ``mul(a, b)``: reward 1 for the right answer, so the call must use the function
-    that fits the operator (``metadata.tool``).
+    offers ``add(a, b)`` and ``mul(a, b)`` and answers with the result of the model's call: reward 1 when
+    the call uses the function that fits the operator (``metadata.tool``) on the question's numbers.
 
-    The demonstration calls one of the two functions at random, reads its result and answers with it: it
-    teaches the protocol (call block, answer = tool result) but not which function fits, which is left to
-    RL (the warm-start policy picks the right one about half the time)."""
+    The demonstration calls one of the two functions at random: it teaches the protocol (a call block
+    with the question's numbers) but not which function fits, which is left to RL (the warm-start policy
+    picks the right one about half the time)."""
     a, b = operands(rng, cfg)
     operator = rng.choice(sorted(TOOL_FOR_OPERATOR))
     demo_tool = rng.choice(sorted(TOOL_FOR_OPERATOR.values()))
-    expr = f"{a}{operator}{b}"
     call = {
         "id": "call_0",
         "type": "function",
         "function": {"name": demo_tool, "arguments": json.dumps({"a": a, "b": b})},
     }
-    result = str(a + b if demo_tool == "add" else a * b)
     return {
-        "prompt": expr,
+        "prompt": f"{a}{operator}{b}",
         "label": str(a + b if operator == "+" else a * b),
         "metadata": {
-            "expr": expr,
+            "expr": f"{a}{operator}{b}",
             "tool": TOOL_FOR_OPERATOR[operator],
             "tools": CALC_TOOLS,
-            "demo": [
-                {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_0", "content": result},
-                {"role": "assistant", "content": result},
-            ],
+            "demo": [{"role": "assistant", "content": None, "tool_calls": [call]}],
         },
     }
