@@ -29,8 +29,9 @@ from tests.agentic.test_agentic_launch import ENV, ROOT
 AGENT = ROOT / "examples" / "agents" / "calc_agent.py"
 TOOLS_AGENT = ROOT / "examples" / "agents" / "calc_tools_agent.py"
 FAULTY = ROOT / "tests" / "agentic" / "faulty_agent.py"
-# what agent_tools_calc's RL must add (reward: last 10% of steps over the first; greedy eval accuracy)
-REWARD_GAIN, ACCURACY_GAIN = 0.15, 0.2
+# what agent_tools_calc's RL must add (reward: last 10% of steps over the first; greedy eval accuracy):
+# about half the smallest gains of 3 measured runs (0.16 and 0.50; the agent path is not bit-deterministic)
+REWARD_GAIN, ACCURACY_GAIN = 0.08, 0.25
 SHORT = [
     "experiment=agent_program_calc",
     "trainer.eval_every=0",
@@ -198,8 +199,7 @@ def test_program_that_cannot_start_stops_the_run_naming_the_command(tmp_path):
 def test_function_calling_agent_learns_which_function_fits_under_rl(tmp_path):
     """examples/agents/calc_tools_agent.py, written with the openai SDK's function calling and reading every
     reply as a stream, trained by ``experiment=agent_tools_calc``. The warm-start's demonstrations call
-    add or mul at random, so they teach the protocol but not the choice: RL has to raise the reward.
-    Margins are about half the measured gains (see the experiment's config)."""
+    add or mul at random, so they teach the protocol but not the choice: RL has to raise the reward."""
     run = subprocess.run(
         [
             sys.executable,
