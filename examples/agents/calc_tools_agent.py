@@ -2,9 +2,9 @@
 
 Run by the launcher (``python -m relax_launch experiment=agent_tools_calc``), which sets
 ``OPENAI_BASE_URL`` (the policy under training) and ``RELAX_EPISODES_URL`` (where episodes come from).
-Each episode is a question such as ``7+5``. The program offers one function, ``calc(expr)``; when the model
-calls it, the program runs it and sends the result back as a ``tool`` message; a reply without a call is
-the final answer. Reward 1 for the right final answer given after a calculator call.
+Each episode is a question such as ``7+5`` or ``7*5``. The program offers two functions, ``add(a, b)`` and
+``mul(a, b)``, runs the one the model calls and answers with its result: reward 1 for the right answer, so
+the model has to pick the function that fits the question and pass it the question's numbers.
 ``RELAX_AGENT_STREAM=1`` reads every reply as a stream of chunks instead.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import urllib.request
 
 from openai import OpenAI
@@ -20,22 +19,22 @@ from openai import OpenAI
 BASE_URL = os.environ["OPENAI_BASE_URL"].rstrip("/")
 EPISODES_URL = os.environ.get("RELAX_EPISODES_URL", f"{BASE_URL}/episodes/next")
 STREAM = os.environ.get("RELAX_AGENT_STREAM") == "1"
-MAX_TURNS = 3
 TOOLS = [
     {
         "type": "function",
         "function": {
-            "name": "calc",
-            "description": "Evaluate an integer expression with +, - and *.",
+            "name": name,
+            "description": description,
             "parameters": {
                 "type": "object",
-                "properties": {"expr": {"type": "string"}},
-                "required": ["expr"],
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
             },
         },
     }
+    for name, description in [("add", "a + b"), ("mul", "a * b")]
 ]
-TERM = re.compile(r"^\d+([+\-*]\d+)*$")
+FUNCTIONS = {"add": lambda a, b: a + b, "mul": lambda a, b: a * b}
 
 
 def post(url: str, body: dict) -> dict:
@@ -44,17 +43,18 @@ def post(url: str, body: dict) -> dict:
         return json.loads(reply.read())
 
 
-def calculate(expr: str) -> str:
-    """``a op b op c`` with +, -, * and the usual precedence (no eval of model text)."""
-    if not TERM.match(expr):
+def run_call(call: dict) -> str:
+    """The result of one of the model's calls: the named function on integer ``a`` and ``b``, else an
+    error message the model reads."""
+    function = FUNCTIONS.get(call["function"]["name"])
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+        a, b = arguments["a"], arguments["b"]
+    except (ValueError, TypeError, KeyError):
         return "error"
-    total = 0
-    for term in re.findall(r"[+-]?[^+-]+", expr):
-        product = 1
-        for factor in term.lstrip("+-").split("*"):
-            product *= int(factor)
-        total += -product if term.startswith("-") else product
-    return str(total)
+    if function is None or not (type(a) is int and type(b) is int):
+        return "error"
+    return str(function(a, b))
 
 
 def ask(client: OpenAI, session_id: str, messages: list[dict]) -> dict:
@@ -87,24 +87,14 @@ def ask(client: OpenAI, session_id: str, messages: list[dict]) -> dict:
 
 
 def play(client: OpenAI, episode: dict) -> None:
-    """One episode: up to MAX_TURNS model turns, then the reward goes back to the trainer."""
+    """One episode: the model's reply; the program answers with the result of its first call (a reply
+    without a call answers nothing). The reward goes back to the trainer."""
     session_id, messages = episode["session_id"], list(episode["messages"])
-    tool_calls, correct = 0, False
-    for _ in range(MAX_TURNS):
-        message = ask(client, session_id, messages)
-        if not message["tool_calls"]:  # the final answer
-            correct = tool_calls > 0 and (message["content"] or "").strip() == str(episode["label"])
-            break
-        messages.append(message)
-        for call in message["tool_calls"]:
-            tool_calls += 1
-            try:
-                expr = str(json.loads(call["function"]["arguments"]).get("expr", ""))
-            except (ValueError, AttributeError):
-                expr = ""
-            result = calculate(expr) if call["function"]["name"] == "calc" else "error"
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
-    metrics = {"acc": float(correct), "tool_called": float(tool_calls > 0)}
+    calls = ask(client, session_id, messages)["tool_calls"]
+    answer = run_call(calls[0]) if calls else ""
+    right_tool = bool(calls) and calls[0]["function"]["name"] == episode["metadata"]["tool"]
+    correct = answer == str(episode["label"])
+    metrics = {"acc": float(correct), "tool_called": float(bool(calls)), "right_tool": float(right_tool)}
     post(f"{BASE_URL}/sessions/{session_id}/reward", {"reward": float(correct), "metrics": metrics})
 
 

@@ -14,10 +14,12 @@ out the step's episodes (``POST /v1/episodes/next``): only those sessions are se
 sampling settings, and each becomes one sample of its prompt's group. Concurrent calls of different
 sessions are batched into one engine call (:class:`RequestBatcher`).
 
-Function calling follows the OpenAI API: a request's ``tools`` reach the chat template, and when it offers
-tools (``tool_choice`` other than ``"none"``) the model's call blocks (the family's convention,
-:mod:`relax_core.agentic.tools`) come back as ``tool_calls`` with ``finish_reason: "tool_calls"``; the
-program answers with ``tool`` messages, recorded with loss mask 0 like any message it adds. ``stream: true``
+Function calling follows the OpenAI API: a request's ``tools`` reach the chat template, and unless
+``tool_choice`` is ``"none"`` (the reply is then plain text, call blocks included) the model's call blocks
+(the family's convention, :mod:`relax_core.agentic.tools`) come back as ``tool_calls`` with
+``finish_reason: "tool_calls"``; the program answers with ``tool`` messages, recorded with loss mask 0 like
+any message it adds. ``tool_choice: "required"`` or a named function gets a 400: sampling is not
+constrained, so no call can be forced. ``stream: true``
 answers with server-sent ``chat.completion.chunk`` events ending in ``data: [DONE]``; the chunks are sent
 once the engine has finished the turn (the engines return whole turns).
 """
@@ -116,8 +118,8 @@ class ChatRequest(BaseModel):
     n: int = 1
     user: str | None = None
     tools: list[Tool] | None = None
-    # "auto" / "required" / a named function: the model's call blocks are parsed; "none": plain text.
-    # The model is not constrained: "required" cannot make it call.
+    # "auto": the model's call blocks are parsed; "none": plain text. "required" and a named function
+    # are rejected (400): sampling is not constrained, so nothing could make the model call.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -469,6 +471,13 @@ def build_app(
             raise HTTPException(400, "give a session id: header X-Session-Id or the request's 'user' field")
         if req.n != 1:
             raise HTTPException(400, "n must be 1: each session is one trajectory")
+        if req.tool_choice not in (None, "auto", "none"):
+            raise HTTPException(
+                400,
+                "tool_choice 'required' or a named function is not supported: sampling is not constrained, "
+                "so the model cannot be forced to call; send 'auto' (the default) and check the reply's "
+                "tool_calls",
+            )
         if session_id in {s.metadata["session_id"] for s in store.finished}:
             raise HTTPException(409, f"session {session_id!r} already has its reward")
         try:

@@ -13,11 +13,16 @@ import random
 from relax_core.synthetic import synthetic_task
 
 
+def operands(rng: random.Random, cfg) -> tuple[int, int]:
+    """Two numbers of the same width, ``min_digits``..``max_digits`` digits."""
+    width = rng.randint(cfg.min_digits, cfg.max_digits)
+    return rng.randint(10 ** (width - 1), 10**width - 1), rng.randint(10 ** (width - 1), 10**width - 1)
+
+
 @synthetic_task("calc")
 def calc_row(rng: random.Random, cfg) -> dict:
     """``37+45`` -> 82, with operands of ``min_digits``..``max_digits`` digits (too hard to add unaided)."""
-    width = rng.randint(cfg.min_digits, cfg.max_digits)
-    a, b = rng.randint(10 ** (width - 1), 10**width - 1), rng.randint(10 ** (width - 1), 10**width - 1)
+    a, b = operands(rng, cfg)
     expr = f"{a}+{b}"
     return {"prompt": expr, "label": str(a + b), "metadata": {"expr": expr}}
 
@@ -47,37 +52,50 @@ def calc_chat_row(rng: random.Random, cfg) -> dict:
     return row
 
 
-# the function examples/agents/calc_tools_agent.py offers (the chat template shows it to the model)
-CALC_TOOLS = [
-    {
+def _int_function(name: str, description: str) -> dict:
+    return {
         "type": "function",
         "function": {
-            "name": "calc",
-            "description": "Evaluate an integer expression with +, - and *.",
+            "name": name,
+            "description": description,
             "parameters": {
                 "type": "object",
-                "properties": {"expr": {"type": "string"}},
-                "required": ["expr"],
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
             },
         },
     }
-]
+
+
+# the functions examples/agents/calc_tools_agent.py offers (the chat template shows them to the model)
+CALC_TOOLS = [_int_function("add", "a + b"), _int_function("mul", "a * b")]
+TOOL_FOR_OPERATOR = {"+": "add", "*": "mul"}
 
 
 @synthetic_task("calc_tools")
 def calc_tools_row(rng: random.Random, cfg) -> dict:
-    """``calc`` for the function-calling agent ``examples/agents/calc_tools_agent.py``: the demonstration
-    calls ``calc`` through ``tool_calls``, reads the tool's result and answers with it."""
-    row = calc_row(rng, cfg)
+    """``7*5`` or ``7+5`` for the function-calling agent ``examples/agents/calc_tools_agent.py``, which
+    offers ``add(a, b)`` and ``mul(a, b)`` and answers with the result of the model's call: reward 1 when
+    the call uses the function that fits the operator (``metadata.tool``) on the question's numbers.
+
+    The demonstration calls one of the two functions at random: it teaches the protocol (a call block
+    with the question's numbers) but not which function fits, which is left to RL (the warm-start policy
+    picks the right one about half the time)."""
+    a, b = operands(rng, cfg)
+    operator = rng.choice(sorted(TOOL_FOR_OPERATOR))
+    demo_tool = rng.choice(sorted(TOOL_FOR_OPERATOR.values()))
     call = {
         "id": "call_0",
         "type": "function",
-        "function": {"name": "calc", "arguments": json.dumps({"expr": row["prompt"]})},
+        "function": {"name": demo_tool, "arguments": json.dumps({"a": a, "b": b})},
     }
-    row["metadata"]["tools"] = CALC_TOOLS
-    row["metadata"]["demo"] = [
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_0", "content": row["label"]},
-        {"role": "assistant", "content": row["label"]},
-    ]
-    return row
+    return {
+        "prompt": f"{a}{operator}{b}",
+        "label": str(a + b if operator == "+" else a * b),
+        "metadata": {
+            "expr": f"{a}{operator}{b}",
+            "tool": TOOL_FOR_OPERATOR[operator],
+            "tools": CALC_TOOLS,
+            "demo": [{"role": "assistant", "content": None, "tool_calls": [call]}],
+        },
+    }

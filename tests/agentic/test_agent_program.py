@@ -12,11 +12,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from statistics import mean
 
 import pytest
 
 from relax_core.agentic.programs import mask_runs
-from relax_core.agentic.tasks import calc_chat_row
+from relax_core.agentic.tasks import calc_chat_row, calc_tools_row
+from relax_core.agentic.tools import assistant_text
 from relax_core.agentic.validation import validate_agent_program
 from relax_core.agentic.warmstart import demo_samples
 from relax_core.config import AgentProgramConfig, DataConfig, RelaxConfig
@@ -27,6 +29,9 @@ from tests.agentic.test_agentic_launch import ENV, ROOT
 AGENT = ROOT / "examples" / "agents" / "calc_agent.py"
 TOOLS_AGENT = ROOT / "examples" / "agents" / "calc_tools_agent.py"
 FAULTY = ROOT / "tests" / "agentic" / "faulty_agent.py"
+# what agent_tools_calc's RL must add (reward: last 10% of steps over the first; greedy eval accuracy):
+# about half the smallest gains of 3 measured runs (0.16 and 0.50; the agent path is not bit-deterministic)
+REWARD_GAIN, ACCURACY_GAIN = 0.08, 0.25
 SHORT = [
     "experiment=agent_program_calc",
     "trainer.eval_every=0",
@@ -75,6 +80,29 @@ def test_warm_start_demo_is_laid_out_as_the_endpoint_records_a_session(tokenizer
     bare = PromptRecord(8, [1], "x", "1", {}, messages=messages)
     with pytest.raises(RelaxUserError, match="metadata.demo"):
         demo_samples([bare], tokenizer)
+
+
+def test_function_calling_demos_teach_the_protocol_but_not_which_function_fits(tokenizer):
+    import random
+
+    rng, cfg = random.Random(0), DataConfig(min_digits=1, max_digits=1)
+    rows = [calc_tools_row(rng, cfg) for _ in range(200)]
+    pairs = set()
+    for row in rows:
+        a, operator, b = re.fullmatch(r"(\d)([+*])(\d)", row["prompt"]).groups()
+        assert row["label"] == str(int(a) + int(b) if operator == "+" else int(a) * int(b))
+        assert row["metadata"]["tool"] == {"+": "add", "*": "mul"}[operator]
+        call = row["metadata"]["demo"][0]["tool_calls"][0]["function"]
+        pairs.add((operator, call["name"]))
+    assert pairs == {("+", "add"), ("+", "mul"), ("*", "add"), ("*", "mul")}
+    row = rows[0]
+    messages = [{"role": "user", "content": row["prompt"]}]
+    record = PromptRecord(0, [1], row["prompt"], row["label"], row["metadata"], messages=messages)
+    (sample,) = demo_samples([record], tokenizer)
+    (call,) = row["metadata"]["demo"]
+    assert mask_runs(tokenizer, sample.response_ids, sample.loss_mask) == [
+        {"mask": 1, "text": assistant_text(call) + "<eos>"}
+    ]
 
 
 def launch(tmp_path: Path, program: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -168,12 +196,10 @@ def test_program_that_cannot_start_stops_the_run_naming_the_command(tmp_path):
 
 
 @pytest.mark.slow
-def test_function_calling_agent_trains_with_streamed_tool_calls(tmp_path):
+def test_function_calling_agent_learns_which_function_fits_under_rl(tmp_path):
     """examples/agents/calc_tools_agent.py, written with the openai SDK's function calling and reading every
-    reply as a stream, trained by ``experiment=agent_tools_calc``: after the warm-start its greedy calls
-    solve the held-out questions, its sampled episodes score, every call came back as tool_calls and its
-    tool messages are masked out. (Whether RL then raises the reward further is not asserted: measured
-    runs stay flat after the warm-start, see the issue notes.)"""
+    reply as a stream, trained by ``experiment=agent_tools_calc``. The warm-start's demonstrations call
+    add or mul at random, so they teach the protocol but not the choice: RL has to raise the reward."""
     run = subprocess.run(
         [
             sys.executable,
@@ -185,7 +211,6 @@ def test_function_calling_agent_trains_with_streamed_tool_calls(tmp_path):
             f"rollout.agent.command=[{sys.executable},{TOOLS_AGENT}]",
             "+rollout.agent.env.RELAX_AGENT_STREAM='1'",
             "rollout.agent.save_trajectories=true",
-            "trainer.total_steps=4",
             "trainer.eval_every=0",
         ],
         cwd=tmp_path,
@@ -196,17 +221,16 @@ def test_function_calling_agent_trains_with_streamed_tool_calls(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["eval_accuracy_untrained"] == 0.0 and summary["eval_accuracy_start"] >= 0.5, summary
     rows = metric_rows(tmp_path)
-    assert len(rows) == 4 and all(r["agent/failed_sessions"] == 0 for r in rows), rows
-    assert sum(r["reward/mean"] for r in rows) / 4 > 0.3, rows
+    assert all(r["agent/failed_sessions"] == 0 for r in rows), rows
+    assert summary["eval_accuracy_untrained"] == 0.0, summary
+    assert summary["reward_gain"] >= REWARD_GAIN, summary
+    assert summary["eval_accuracy_final"] >= summary["eval_accuracy_start"] + ACCURACY_GAIN, summary
+    first, last = rows[: len(rows) // 10], rows[-(len(rows) // 10) :]
+    assert mean(r["reward/right_tool"] for r in last) > mean(r["reward/right_tool"] for r in first), rows
     sessions = [json.loads(line) for line in (tmp_path / "agent_logs" / "trajectories.jsonl").open()]
     solved = [s for s in sessions if s["reward"] == 1.0]
     assert solved
-    for s in solved:  # the model's call, the tool's result (masked), the model's answer
-        assert [seg["mask"] for seg in s["segments"]] == [1, 0, 1], s
-        call, result, answer = (seg["text"] for seg in s["segments"])
-        # a sampled reply may run on after the closing tag; the agent reads the first call only
-        tool_call = re.match(r"<tool_call>(\{.*?\})</tool_call>", call)
-        assert tool_call and json.loads(tool_call.group(1))["name"] == "calc", call
-        assert answer == result.strip() + "<eos>"
+    for s in solved:  # one trained model turn holding the call (2*2 = 2+2: either function can be right)
+        (segment,) = s["segments"]
+        assert segment["mask"] == 1 and "<tool_call>" in segment["text"], s

@@ -131,12 +131,17 @@ def test_streaming_with_the_openai_sdk(serve):
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-def test_tool_choice_none_and_bad_tool_requests(serve):
+def test_tool_choice_none_keeps_calls_as_text_forced_calls_and_bad_requests_are_refused(serve):
     url, _ = serve([CALL])
     with httpx.Client(base_url=url, timeout=30) as http:
         body = {"messages": [{"role": "user", "content": "7+5"}], "tools": TOOLS, "tool_choice": "none"}
         plain = http.post("/v1/chat/completions", json=body, headers={"X-Session-Id": "s4"}).json()
         assert plain["choices"][0]["message"] == {"role": "assistant", "content": CALL}
+        for forced in ["required", {"type": "function", "function": {"name": "calc"}}]:
+            reply = http.post(
+                "/v1/chat/completions", json=body | {"tool_choice": forced}, headers={"X-Session-Id": "s6"}
+            )
+            assert reply.status_code == 400 and "not supported" in reply.json()["detail"], forced
         for bad in [
             {"tools": [{"type": "function"}]},
             {"tools": TOOLS, "tool_choice": "sometimes"},
