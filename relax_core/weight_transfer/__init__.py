@@ -61,6 +61,10 @@ class WeightTransfer:
             host, port = ray.get(self.source.actors[0].free_address.remote())
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             return SyncSpec(name, host, port, members + 1, self.layout, self.bucket_mb, backend)
+        if self.strategy == "in_process":
+            from relax_core.weight_transfer.in_process import InProcessSpec
+
+            return InProcessSpec(f"{self._tag}-{name}")
         if self.strategy == "disk":
             from relax_core.weight_transfer.disk import DiskSpec
 
@@ -145,16 +149,26 @@ class WeightTransfer:
 
 
 def choose_strategy(configured: str, mode: str, source, consumers: list[Any], layout: Layout) -> str:
-    """``auto``: shared memory when every consumer shares the source's node (and /dev/shm has room), else
-    the object store (colocate) or a broadcast group (async)."""
+    """``auto``: in-process when every consumer shares the source's process, else shared memory when every
+    consumer shares the source's node (and /dev/shm has room), else the object store (colocate) or a
+    broadcast group (async)."""
     if configured != "auto":
         return configured
+    if consumers and all(same_process(c, source.actors[0]) for c in consumers):
+        return "in_process"
     from relax_core.weight_transfer.shared_memory import shared_memory_fits
 
     nodes = ray.get([c.node_id.remote() for c in [source.actors[0], *consumers]])
     if len(set(nodes)) == 1 and shared_memory_fits(layout, copies=2):
         return "shared_memory"
     return "collective" if mode == "async" else "object_store"
+
+
+def same_process(a: Any, b: Any) -> bool:
+    """Whether two role handles reach roles sharing one process (:class:`~relax_core.ray_groups.RoleHandle`)."""
+    from relax_core.ray_groups import RoleHandle
+
+    return isinstance(a, RoleHandle) and isinstance(b, RoleHandle) and (a.shared, a.i) == (b.shared, b.i)
 
 
 __all__ = [
