@@ -149,7 +149,9 @@ def run_measured(cmd: list[str], log_path: Path, env: dict[str, str]) -> tuple[i
     wall = time.perf_counter() - t0
     monitor.stop()
     monitor.kill_leftovers()
-    by_process = {k: round(v / 2**20) for k, v in sorted(monitor.peak_by_process.items(), key=lambda kv: -kv[1])}
+    by_process = {
+        k: round(v / 2**20) for k, v in sorted(monitor.peak_by_process.items(), key=lambda kv: -kv[1])
+    }
     log_path.with_suffix(".rss.json").write_text(json.dumps(by_process, indent=1))
     return code, wall, monitor.peak_bytes / 2**20
 

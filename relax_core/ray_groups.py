@@ -47,11 +47,11 @@ class RoleGroup:
 
         def spawn(i: int, attempt: int = 0):
             if shared is not None:
-                if attempt:  # the process holds other roles' state too: they go (and come back) together
-                    raise RuntimeError(f"{name}-{i} shares its process with {shared.roles}; it cannot restart alone")
                 role_kwargs = (kwargs or {}) | ({"replica": i} if pass_replica else {})
                 env = env_vars[i] if env_vars else {}
-                return shared.join(name, i, RoleSpec(role_cls, args, role_kwargs, num_cpus, num_gpus, bundles[i], env))
+                return shared.join(
+                    name, i, RoleSpec(role_cls, args, role_kwargs, num_cpus, num_gpus, bundles[i], env)
+                )
             return remote_cls.options(
                 name=f"{name}-{i}" + (f"-r{attempt}" if attempt else ""),
                 num_cpus=num_cpus,
@@ -68,6 +68,12 @@ class RoleGroup:
 
     def restart(self, i: int) -> Any:
         """Replace replica ``i`` (dead or hung) by a fresh actor in the same bundle; returns the new handle."""
+        if (
+            self.shared is not None
+        ):  # the process holds other roles' state too: they go (and come back) together
+            raise RuntimeError(
+                f"{self.name}-{i} shares its process with {self.shared.roles}; it cannot restart alone"
+            )
         try:
             ray.kill(self.actors[i], no_restart=True)
         except Exception:  # already gone

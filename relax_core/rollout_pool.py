@@ -116,7 +116,12 @@ class RolloutPool(RoleGroup):
     """Launch engines (a :class:`RoleGroup`, so the HealthManager watches them) plus elastic members."""
 
     def __init__(
-        self, cfg, model_path: str, pg: PlacementGroup, bundles: list[int], shared: SharedProcesses | None = None
+        self,
+        cfg,
+        model_path: str,
+        pg: PlacementGroup,
+        bundles: list[int],
+        shared: SharedProcesses | None = None,
     ) -> None:
         """``shared``: the launch engines live in these processes (colocate: the Actor's)."""
         r = cfg.rollout
