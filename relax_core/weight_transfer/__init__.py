@@ -126,8 +126,9 @@ class WeightTransfer:
 
     def deliver(self, consumer: Any, version: int | None = None) -> ray.ObjectRef:
         """Bring ``consumer`` to the newest published version (or ``version`` straight from the source)."""
-        if self._latest is None or self.strategy == "collective" or version is not None:
-            # a broadcast group has fixed members: a newcomer gets the weights through the object store
+        if self._latest is None or version is not None or not self._channel_reaches(consumer):
+            # a broadcast group has fixed members, the in-process hand-over only its own process: such a
+            # newcomer gets the weights through the object store
             latest = self._latest[0] if self._latest else 0
             v = latest if version is None else version
             weights = self.source.call("state_dict")[0]  # every rank gathers; rank 0 returns the weights
@@ -136,6 +137,12 @@ class WeightTransfer:
         key = f"{self.strategy}:policy"
         ray.get(consumer.weights_connect.remote(key, self.strategy, self._spec("policy", 0), 1))
         return consumer.weights_receive.remote(key, payload, v)
+
+    def _channel_reaches(self, consumer: Any) -> bool:
+        """Whether ``consumer`` can join this strategy's channel after the fact."""
+        if self.strategy == "in_process":
+            return same_process(consumer, self.source.actors[0])
+        return self.strategy != "collective"
 
     def close(self) -> None:
         if self.strategy == "shared_memory":  # the files outlive a killed source otherwise

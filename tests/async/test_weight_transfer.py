@@ -180,7 +180,7 @@ def test_auto_hands_weights_over_in_process_to_a_consumer_sharing_the_source_pro
     ray_cluster, tmp_path
 ) -> None:
     """A consumer in the source's own process (colocate's fused Actor + engine) gets exact versions through
-    the in-process hand-over, which ``auto`` picks by itself."""
+    the in-process hand-over, which ``auto`` picks by itself; a consumer elsewhere still gets them."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -201,6 +201,11 @@ def test_auto_hands_weights_over_in_process_to_a_consumer_sharing_the_source_pro
             ray.get(source.actors[0].set_version.remote(version))
             transfer.publish(version)
             assert_holds(consumer.actors[0], version)
+        # an engine in a process of its own (elastic scale-out) gets the newest version another way
+        outside = ray.remote(Consumer).options(num_cpus=0.1).remote()
+        ray.get(transfer.deliver(outside))
+        assert_holds(outside, 2)
+        ray.kill(outside)
         transfer.close()
     finally:
         source.kill()
