@@ -97,6 +97,7 @@ class PeakTreeRss(threading.Thread):
         self.root = psutil.Process(pid)
         self.interval_s = interval_s
         self.peak_bytes = 0
+        self.peak_by_process: dict[str, int] = {}  # RSS per process at the peak, by process title
         self.seen: dict[int, object] = {}
         self._stop_event = threading.Event()
 
@@ -108,14 +109,15 @@ class PeakTreeRss(threading.Thread):
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 break
-            total = 0
+            sizes = {}
             for p in procs:
                 try:
-                    total += p.memory_info().rss
+                    sizes[f"{p.pid} {' '.join(p.cmdline())[:80]}"] = p.memory_info().rss
                     self.seen.setdefault(p.pid, p)
                 except psutil.Error:
                     pass
-            self.peak_bytes = max(self.peak_bytes, total)
+            if sum(sizes.values()) > self.peak_bytes:
+                self.peak_bytes, self.peak_by_process = sum(sizes.values()), sizes
             self._stop_event.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -136,7 +138,8 @@ class PeakTreeRss(threading.Thread):
 
 
 def run_measured(cmd: list[str], log_path: Path, env: dict[str, str]) -> tuple[int, float, float]:
-    """Run ``cmd`` to completion: (return code, wall seconds, peak process-tree RSS in MB)."""
+    """Run ``cmd`` to completion: (return code, wall seconds, peak process-tree RSS in MB); the RSS of each
+    process at that peak goes to ``<log>.rss.json``."""
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -146,6 +149,10 @@ def run_measured(cmd: list[str], log_path: Path, env: dict[str, str]) -> tuple[i
     wall = time.perf_counter() - t0
     monitor.stop()
     monitor.kill_leftovers()
+    by_process = {
+        k: round(v / 2**20) for k, v in sorted(monitor.peak_by_process.items(), key=lambda kv: -kv[1])
+    }
+    log_path.with_suffix(".rss.json").write_text(json.dumps(by_process, indent=1))
     return code, wall, monitor.peak_bytes / 2**20
 
 

@@ -166,6 +166,11 @@ class ModeConfig:
     # off-policy correction when samples can be stale (max_staleness > 0): truncated importance weight
     # min(π_prox/π_behaviour, cap) on every policy-gradient term; algorithm.tis_cap overrides it; null off
     off_policy_tis_cap: float | None = None
+    # colocate: run the Actor and its rollout engine in one process when that is all there is to fuse (one
+    # Actor rank, one torch engine, CPU, same thread count): one copy of torch and the model code instead of
+    # two, weights handed over in-process. A dead process is then the Actor's death (restart from the last
+    # checkpoint), not an engine restarted in place: set false to keep them apart
+    fuse_rollout: bool = True
 
 
 @dataclass

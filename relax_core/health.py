@@ -145,7 +145,7 @@ class HealthManager:
                 self._event("hung", name, i, f"no heartbeat for {self.timeout:.0f}s; killed")
                 group = self.groups().get(name)
                 if group is not None:
-                    ray.kill(group.actors[i], no_restart=True)
+                    group.kill_replica(i)
         return status
 
     def _dead_replicas(self) -> list[tuple[str, int]]:
@@ -221,7 +221,7 @@ class HealthManager:
             self._event("dead", name, i, "process gone or unresponsive")
         for name, i in dead:
             group = groups[name]
-            if name in GLOBAL_ROLES or group.collective:
+            if name in GLOBAL_ROLES or group.collective or group.shared is not None:
                 raise GlobalRestartNeeded(f"{name}-{i} died")
             if group.restarts[i] >= self.max_role_restarts:
                 raise GlobalRestartNeeded(f"{name}-{i} failed after {group.restarts[i]} in-place restarts")

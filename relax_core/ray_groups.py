@@ -1,7 +1,13 @@
-"""The one place role classes become Ray actors: a group of replicas pinned to placement-group bundles."""
+"""The one place role classes become Ray actors: a group of replicas pinned to placement-group bundles.
+
+Several groups can also share processes (:class:`SharedProcesses`): replica i of each of them is an object
+of its own role class inside one Ray actor, reached through a :class:`RoleHandle` that is called like an
+actor handle. Colocate uses it to run the Actor and its rollout engine in one process.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -29,16 +35,25 @@ class RoleGroup:
         pass_replica: bool = False,
         env_vars: list[dict[str, str]] | None = None,
         kwargs: dict[str, Any] | None = None,
+        shared: SharedProcesses | None = None,
     ) -> None:
         """``env_vars[i]``: extra environment of replica i (e.g. its ``torch.distributed`` rank);
-        ``kwargs``: keyword arguments of every replica's constructor (e.g. the DataBus handle)."""
+        ``kwargs``: keyword arguments of every replica's constructor (e.g. the DataBus handle);
+        ``shared``: replica i lives in process i of these shared processes instead of its own actor."""
         self.name = name
         remote_cls = ray.remote(role_cls)
         self.restarts = [0] * replicas  # in-place restarts per replica (HealthManager)
         # ranks of one torch.distributed group: a replacement cannot join it, so losing one is a global restart
         self.collective = bool(env_vars) and replicas > 1
+        self.shared = shared
 
         def spawn(i: int, attempt: int = 0):
+            if shared is not None:
+                role_kwargs = (kwargs or {}) | ({"replica": i} if pass_replica else {})
+                env = env_vars[i] if env_vars else {}
+                return shared.join(
+                    name, i, RoleSpec(role_cls, args, role_kwargs, num_cpus, num_gpus, bundles[i], env)
+                )
             return remote_cls.options(
                 name=f"{name}-{i}" + (f"-r{attempt}" if attempt else ""),
                 num_cpus=num_cpus,
@@ -55,8 +70,14 @@ class RoleGroup:
 
     def restart(self, i: int) -> Any:
         """Replace replica ``i`` (dead or hung) by a fresh actor in the same bundle; returns the new handle."""
+        if (
+            self.shared is not None
+        ):  # the process holds other roles' state too: they go (and come back) together
+            raise RuntimeError(
+                f"{self.name}-{i} shares its process with {self.shared.roles}; it cannot restart alone"
+            )
         try:
-            ray.kill(self.actors[i], no_restart=True)
+            self.kill_replica(i)
         except Exception:  # already gone
             pass
         self.restarts[i] += 1
@@ -88,6 +109,117 @@ class RoleGroup:
             getattr(a, method).remote(*args) for a, args in zip(self.actors, per_replica_args, strict=True)
         ]
 
+    def kill_replica(self, i: int) -> None:
+        """Kill the process of replica ``i`` (a shared process takes its other roles with it)."""
+        ray.kill(self.shared.host(i) if self.shared is not None else self.actors[i], no_restart=True)
+
     def kill(self) -> None:
+        if self.shared is not None:
+            self.shared.kill()
+            return
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+
+
+@dataclass
+class RoleSpec:
+    """How one role's replica is built and what it reserves."""
+
+    role_cls: type
+    args: tuple
+    kwargs: dict[str, Any]
+    num_cpus: float
+    num_gpus: float
+    bundle: int
+    env: dict[str, str]
+
+
+class SharedProcesses:
+    """Processes that each hold replica i of several roles (``roles``, in construction order).
+
+    Every role's :class:`RoleGroup` joins with its class and arguments; once all have joined, process i
+    is one Ray actor (:class:`Colocated`) that builds the roles' objects in that order, with the sum of
+    their resources in the first role's bundle. The process's death is every member role's death.
+    """
+
+    def __init__(self, pg: PlacementGroup, name: str, roles: list[str]) -> None:
+        self.pg, self.name, self.roles = pg, name, roles
+        self._specs: dict[int, dict[str, RoleSpec]] = {}  # replica -> role -> spec
+        self._hosts: dict[int, Any] = {}
+
+    def join(self, role: str, i: int, spec: RoleSpec) -> RoleHandle:
+        if role not in self.roles:
+            raise ValueError(f"{role} is not one of the roles sharing {self.name}: {self.roles}")
+        self._specs.setdefault(i, {})[role] = spec
+        return RoleHandle(self, i, role)
+
+    def host(self, i: int) -> Any:
+        """The Ray actor of process ``i`` (started at first use, when every role has joined)."""
+        if i not in self._hosts:
+            specs = self._specs.get(i, {})
+            missing = [r for r in self.roles if r not in specs]
+            if missing:
+                raise RuntimeError(f"{self.name}-{i} is used before {missing} joined it")
+            ordered = [specs[r] for r in self.roles]
+            env = {k: v for spec in ordered for k, v in spec.env.items()}
+            self._hosts[i] = (
+                ray.remote(Colocated)
+                .options(
+                    name=f"{self.name}-{i}",
+                    num_cpus=sum(spec.num_cpus for spec in ordered),
+                    num_gpus=max(spec.num_gpus for spec in ordered),
+                    max_concurrency=2,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.pg, placement_group_bundle_index=ordered[0].bundle
+                    ),
+                    **({"runtime_env": {"env_vars": env}} if env else {}),
+                )
+                .remote({r: (specs[r].role_cls, specs[r].args, specs[r].kwargs) for r in self.roles})
+            )
+        return self._hosts[i]
+
+    def kill(self) -> None:
+        for host in self._hosts.values():
+            try:
+                ray.kill(host, no_restart=True)
+            except Exception:  # already gone
+                pass
+
+
+class Colocated:
+    """One process holding several roles' objects, built in order from the plain role classes."""
+
+    def __init__(self, roles: dict[str, tuple[type, tuple, dict[str, Any]]]) -> None:
+        self.roles = {name: cls(*args, **kwargs) for name, (cls, args, kwargs) in roles.items()}
+
+    def call_role(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.roles[role], method)(*args, **kwargs)
+
+
+class RoleHandle:
+    """Replica ``i`` of ``role`` inside a shared process, called like an actor handle
+    (``handle.method.remote(...)``, ``.options(...)``); Ray's own ``__ray_*__`` calls reach the process."""
+
+    def __init__(self, shared: SharedProcesses, i: int, role: str) -> None:
+        self.shared, self.i, self.role = shared, i, role
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("__ray"):
+            return getattr(self.shared.host(self.i), method)
+        if method.startswith("_"):  # pickling and other protocol lookups: not role methods
+            raise AttributeError(method)
+        return RoleMethod(self, method)
+
+
+class RoleMethod:
+    def __init__(self, handle: RoleHandle, method: str, options: dict[str, Any] | None = None) -> None:
+        self.handle, self.method, self._options = handle, method, options or {}
+
+    def options(self, **options: Any) -> RoleMethod:
+        return RoleMethod(self.handle, self.method, self._options | options)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        call = self.handle.shared.host(self.handle.i).call_role
+        if self._options:
+            call = call.options(**self._options)
+        return call.remote(self.handle.role, self.method, *args, **kwargs)

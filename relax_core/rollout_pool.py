@@ -32,7 +32,7 @@ from ray.util.placement_group import PlacementGroup
 
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.engines.router import Router
-from relax_core.ray_groups import RoleGroup
+from relax_core.ray_groups import RoleGroup, SharedProcesses
 from relax_core.roles.rollout import Rollout
 from relax_core.samples import PromptRecord, Sample, SampleStatus
 
@@ -115,7 +115,15 @@ class Member:
 class RolloutPool(RoleGroup):
     """Launch engines (a :class:`RoleGroup`, so the HealthManager watches them) plus elastic members."""
 
-    def __init__(self, cfg, model_path: str, pg: PlacementGroup, bundles: list[int]) -> None:
+    def __init__(
+        self,
+        cfg,
+        model_path: str,
+        pg: PlacementGroup,
+        bundles: list[int],
+        shared: SharedProcesses | None = None,
+    ) -> None:
+        """``shared``: the launch engines live in these processes (colocate: the Actor's)."""
         r = cfg.rollout
         super().__init__(
             Rollout,
@@ -127,6 +135,7 @@ class RolloutPool(RoleGroup):
             r.num_gpus,
             (cfg, model_path),
             pass_replica=True,
+            shared=shared,
         )
         self.cfg = cfg
         self.model_path = model_path

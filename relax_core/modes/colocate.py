@@ -19,7 +19,7 @@ from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynami
 from relax_core.algorithms.spec import needs_old_logprobs
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
 from relax_core.placement import actor_world_size, rank_env
-from relax_core.ray_groups import RoleGroup
+from relax_core.ray_groups import RoleGroup, SharedProcesses
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
 from relax_core.roles.critic import Critic
@@ -64,6 +64,7 @@ class ColocateMode(Mode):
         args = (cfg, self.ctx.model_path)
         # world > 1: FSDP data-parallel or megatron model-parallel ranks, one gloo/NCCL group on 127.0.0.1
         port = free_port() if world > 1 else 0
+        shared = SharedProcesses(self.pg, "actor-rollout", ["actor", "rollout"]) if self._fuse() else None
         self.roles.actor = RoleGroup(
             Actor,
             "actor",
@@ -75,9 +76,10 @@ class ColocateMode(Mode):
             args,
             pass_replica=True,
             env_vars=[rank_env(i, world, port) for i in range(world)] if world > 1 else None,
+            shared=shared,
         )
         # launch engines + elastic members (scale-out/in, external URLs) behind a router
-        pool = RolloutPool(cfg, self.ctx.model_path, self.pg, list(range(r.num_engines)))
+        pool = RolloutPool(cfg, self.ctx.model_path, self.pg, list(range(r.num_engines)), shared)
         self.roles.rollout = pool
         if shard_reference:  # its own process group, rank i next to Actor rank i
             ref_port = free_port()
@@ -118,8 +120,21 @@ class ColocateMode(Mode):
 
             self.agent = AgentProgramRollout(cfg, pool, self.ctx.tokenizer)
             self.agent.start()
-        log.info("colocate roles up | weight transfer: %s", strategy)
+        log.info("colocate roles up | weight transfer: %s | actor+rollout fused: %s", strategy, bool(shared))
         return self.roles
+
+    def _fuse(self) -> bool:
+        """Whether the Actor and the rollout engine share one process (``mode.fuse_rollout``)."""
+        r, t = self.cfg.rollout, self.cfg.trainer
+        return (
+            self.cfg.mode.fuse_rollout
+            and actor_world_size(t) == 1
+            and r.num_engines == 1
+            and r.engine == "torch"
+            and r.num_gpus == 0
+            and t.num_gpus == 0
+            and r.num_threads == t.num_threads
+        )
 
     def stop(self) -> None:
         if self.agent is not None:

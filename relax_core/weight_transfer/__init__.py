@@ -61,6 +61,10 @@ class WeightTransfer:
             host, port = ray.get(self.source.actors[0].free_address.remote())
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             return SyncSpec(name, host, port, members + 1, self.layout, self.bucket_mb, backend)
+        if self.strategy == "in_process":
+            from relax_core.weight_transfer.in_process import InProcessSpec
+
+            return InProcessSpec(f"{self._tag}-{name}")
         if self.strategy == "disk":
             from relax_core.weight_transfer.disk import DiskSpec
 
@@ -122,8 +126,9 @@ class WeightTransfer:
 
     def deliver(self, consumer: Any, version: int | None = None) -> ray.ObjectRef:
         """Bring ``consumer`` to the newest published version (or ``version`` straight from the source)."""
-        if self._latest is None or self.strategy == "collective" or version is not None:
-            # a broadcast group has fixed members: a newcomer gets the weights through the object store
+        if self._latest is None or version is not None or not self._channel_reaches(consumer):
+            # a broadcast group has fixed members, the in-process hand-over only its own process: such a
+            # newcomer gets the weights through the object store
             latest = self._latest[0] if self._latest else 0
             v = latest if version is None else version
             weights = self.source.call("state_dict")[0]  # every rank gathers; rank 0 returns the weights
@@ -132,6 +137,12 @@ class WeightTransfer:
         key = f"{self.strategy}:policy"
         ray.get(consumer.weights_connect.remote(key, self.strategy, self._spec("policy", 0), 1))
         return consumer.weights_receive.remote(key, payload, v)
+
+    def _channel_reaches(self, consumer: Any) -> bool:
+        """Whether ``consumer`` can join this strategy's channel after the fact."""
+        if self.strategy == "in_process":
+            return same_process(consumer, self.source.actors[0])
+        return self.strategy != "collective"
 
     def close(self) -> None:
         if self.strategy == "shared_memory":  # the files outlive a killed source otherwise
@@ -145,16 +156,26 @@ class WeightTransfer:
 
 
 def choose_strategy(configured: str, mode: str, source, consumers: list[Any], layout: Layout) -> str:
-    """``auto``: shared memory when every consumer shares the source's node (and /dev/shm has room), else
-    the object store (colocate) or a broadcast group (async)."""
+    """``auto``: in-process when every consumer shares the source's process, else shared memory when every
+    consumer shares the source's node (and /dev/shm has room), else the object store (colocate) or a
+    broadcast group (async)."""
     if configured != "auto":
         return configured
+    if consumers and all(same_process(c, source.actors[0]) for c in consumers):
+        return "in_process"
     from relax_core.weight_transfer.shared_memory import shared_memory_fits
 
     nodes = ray.get([c.node_id.remote() for c in [source.actors[0], *consumers]])
     if len(set(nodes)) == 1 and shared_memory_fits(layout, copies=2):
         return "shared_memory"
     return "collective" if mode == "async" else "object_store"
+
+
+def same_process(a: Any, b: Any) -> bool:
+    """Whether two role handles reach roles sharing one process (:class:`~relax_core.ray_groups.RoleHandle`)."""
+    from relax_core.ray_groups import RoleHandle
+
+    return isinstance(a, RoleHandle) and isinstance(b, RoleHandle) and (a.shared, a.i) == (b.shared, b.i)
 
 
 __all__ = [

@@ -12,9 +12,11 @@ shared_memory   on the Actor's node                   one copy into /dev/shm, on
 object_store    anywhere (Ray object store)           one ``ray.put`` + one fetch per node
 collective      a fixed set anywhere (gloo / NCCL)    one bucketed broadcast
 disk            engines that only reload from files   an HF folder per version (the last 2 kept)
+in_process      in the Actor's own process            none: the consumer loads the source's tensors
 ==============  ====================================  ============================================
 
-``weight_transfer=auto`` picks shared memory when every consumer runs on the Actor's node, else the
+``weight_transfer=auto`` picks ``in_process`` when every consumer shares the Actor's process (colocate's
+fused Actor + engine), else shared memory when every consumer runs on the Actor's node, else the
 object store (colocate: consumers come and go with elastic scaling) or the collective (async: a fixed set).
 Every publish reports its bytes and seconds (``weights/bytes``, ``time/weight_sync_s``).
 """
@@ -30,6 +32,7 @@ import torch
 from relax_core.weight_transfer.channel import Channel, Layout, ObjectStoreChannel, layout_of, nbytes
 from relax_core.weight_transfer.collective import WeightSyncGroup
 from relax_core.weight_transfer.disk import DiskChannel
+from relax_core.weight_transfer.in_process import InProcessChannel
 from relax_core.weight_transfer.shared_memory import SharedMemoryChannel
 
 
@@ -40,6 +43,7 @@ def open_channel(strategy: str, spec: Any, rank: int) -> Channel:
         "shared_memory": SharedMemoryChannel,
         "collective": WeightSyncGroup,
         "disk": DiskChannel,
+        "in_process": InProcessChannel,
     }
     if strategy not in channels:
         raise ValueError(f"no channel for weight-transfer strategy {strategy!r}")

@@ -29,6 +29,8 @@ class LocalLauncher(InProcessLauncher):
                     num_cpus=self.cluster.num_cpus or os.cpu_count(),
                     num_gpus=self.cluster.num_gpus,
                     runtime_env=runtime_env,
+                    # no idle workers started ahead of actors that never use them (~80 MB each)
+                    _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
                     **RAY_INIT_ARGS,
                 )
                 break

@@ -174,3 +174,39 @@ def test_partial_rollout_finish_keeps_old_weights_until_done(engine) -> None:
     assert all(r.finish_reason == "length" and len(r.output_ids) == 96 for r in results)
     assert {r.weight_version for r in results} == {0}
     assert engine[0].weight_version == 1  # the swap landed after the in-flight call finished
+
+
+def test_auto_hands_weights_over_in_process_to_a_consumer_sharing_the_source_process(
+    ray_cluster, tmp_path
+) -> None:
+    """A consumer in the source's own process (colocate's fused Actor + engine) gets exact versions through
+    the in-process hand-over, which ``auto`` picks by itself; a consumer elsewhere still gets them."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from relax_core.ray_groups import RoleGroup, SharedProcesses
+    from relax_core.weight_transfer import choose_strategy
+
+    pg = placement_group([{"CPU": 0.2}])
+    ray.get(pg.ready(), timeout=120)
+    shared = SharedProcesses(pg, "source-consumer", ["source", "consumer"])
+    source = RoleGroup(Source, "source", 1, pg, [0], 0.1, 0, shared=shared)
+    consumer = RoleGroup(Consumer, "consumer", 1, pg, [0], 0.1, 0, shared=shared)
+    try:
+        strategy = choose_strategy("auto", "colocate", source, consumer.actors, layout_of(make_state(0)))
+        assert strategy == "in_process"
+        transfer = WeightTransfer(strategy, source, WeightTransferConfig(), str(tmp_path), None)
+        transfer.connect("policy", consumer.actors)
+        for version in (1, 2):
+            ray.get(source.actors[0].set_version.remote(version))
+            transfer.publish(version)
+            assert_holds(consumer.actors[0], version)
+        # an engine in a process of its own (elastic scale-out) gets the newest version another way
+        outside = ray.remote(Consumer).options(num_cpus=0.1).remote()
+        ray.get(transfer.deliver(outside))
+        assert_holds(outside, 2)
+        ray.kill(outside)
+        transfer.close()
+    finally:
+        source.kill()
+        remove_placement_group(pg)

@@ -11,7 +11,7 @@ import ray
 from ray import cloudpickle
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-from relax_core.ray_groups import RoleGroup
+from relax_core.ray_groups import RoleGroup, SharedProcesses
 
 # the workers cannot import this test module by name: ship its classes by value
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -95,3 +95,54 @@ def test_role_group_without_replica_argument_and_bundle_pinning(pg) -> None:
         assert ray.get(group.call("placement_group_id")) == [pg.id.hex()] * 2
     finally:
         group.kill()
+
+
+class Doubler:
+    """A second role-like class; ``add`` has the same name as Counter's and must not be confused with it."""
+
+    def __init__(self, factor: int, replica: int = -1) -> None:
+        self.factor, self.replica = factor, replica
+
+    def add(self, k: int) -> int:
+        return self.factor * k
+
+    def whoami(self) -> tuple[int, int]:
+        return self.replica, os.getpid()
+
+    def pair(self, a: int, b: int = 0) -> tuple[int, int]:
+        return a, b
+
+
+def test_groups_sharing_processes_reach_their_own_role_in_one_process(pg) -> None:
+    shared = SharedProcesses(pg, "counter-doubler", ["counter", "doubler"])
+    counters = RoleGroup(Counter, "counter", 2, pg, [0, 1], 0.1, 0, (10,), pass_replica=True, shared=shared)
+    doublers = RoleGroup(Doubler, "doubler", 2, pg, [0, 1], 0.1, 0, (3,), pass_replica=True, shared=shared)
+    try:
+        # replica i of both groups is one process; the processes differ between replicas
+        counter_who, doubler_who = ray.get(counters.call("whoami")), ray.get(doublers.call("whoami"))
+        assert counter_who == doubler_who and [r for r, _ in counter_who] == [0, 1]
+        assert counter_who[0][1] != counter_who[1][1]
+        # the same method name on each role reaches that role's object
+        assert ray.get(counters.call("add", 5)) == [15, 15]
+        assert ray.get(doublers.call("add", 5)) == [15, 15]
+        assert ray.get(counters.call("add", 1)) == [16, 16] and ray.get(doublers.call("add", 1)) == [3, 3]
+        # keyword arguments, ObjectRef arguments (resolved as for an actor call) and call options
+        ref = ray.put(7)
+        assert ray.get(doublers.actors[0].pair.remote(ref, b=2)) == (7, 2)
+        first, second = counters.actors[1].whoami.options(num_returns=2).remote()
+        assert ray.get(first) == 1
+        # Ray's own calls reach the process: readiness pings, __ray_call__
+        pid = ray.get(doublers.actors[1].__ray_call__.remote(lambda self: os.getpid()))
+        assert pid == counter_who[1][1]
+        assert ray.get(ray.get_actor("counter-doubler-0").__ray_ready__.remote())
+        # one role cannot come back alone: the process holds the other's state too
+        with pytest.raises(RuntimeError, match="shares its process"):
+            counters.restart(0)
+    finally:
+        counters.kill()
+        doublers.kill()
+    deadline = time.monotonic() + 60
+    with pytest.raises(ray.exceptions.RayActorError):
+        while time.monotonic() < deadline:
+            ray.get(doublers.actors[0].add.remote(1), timeout=60)
+            time.sleep(0.2)

@@ -78,6 +78,7 @@ def test_killed_rollout_restarts_in_place_and_killed_actor_resumes_from_checkpoi
     cfg = compose(
         [
             *TINY_RUN,
+            "mode.fuse_rollout=false",  # the engine in a process of its own, so that it can die alone
             "trainer.total_steps=7",
             "trainer.save_every=2",
             "trainer.heartbeat_interval_s=1",
@@ -111,6 +112,21 @@ def test_killed_rollout_restarts_in_place_and_killed_actor_resumes_from_checkpoi
     assert (run_dir / "final_model" / "config.json").is_file()
 
 
+def test_killed_fused_actor_and_engine_process_resumes_from_checkpoint(tmp_path: Path) -> None:
+    """Colocate's default puts the Actor and its engine in one process: killing it loses the Actor, so the
+    run restarts every role from the last checkpoint and still runs every step once."""
+    run_dir = tmp_path / "run"
+    cfg = compose([*TINY_RUN, "trainer.total_steps=5", "trainer.save_every=2"], run_dir)
+    kills: list = []
+    killer = _kill_when(run_dir, 3, "actor-rollout-0", kills)
+    summary = run_experiment(cfg)
+    killer.join(timeout=5)
+
+    assert [k[0] for k in kills] == ["actor-rollout-0"], kills
+    assert summary["status"] == "finished" and summary["health_global_restarts"] == 1
+    assert _steps(run_dir) == list(range(0, 6))
+
+
 def test_run_gives_up_after_max_global_restarts_with_a_report(tmp_path: Path) -> None:
     from relax_core.health import RunFailedError
 
@@ -128,7 +144,7 @@ def test_run_gives_up_after_max_global_restarts_with_a_report(tmp_path: Path) ->
         run_dir,
     )
     kills: list = []
-    _kill_when(run_dir, 1, "actor-0", kills)
+    _kill_when(run_dir, 1, "actor-rollout-0", kills)  # the Actor's process (it holds the engine too)
     with pytest.raises(RunFailedError, match="actor-0"):
         run_experiment(cfg)
 
