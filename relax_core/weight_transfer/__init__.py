@@ -50,8 +50,9 @@ class WeightTransfer:
 
     def _spec(self, name: str, members: int) -> Any:
         if self.strategy == "shared_memory":
-            from relax_core.weight_transfer.shared_memory import SharedMemorySpec
+            from relax_core.weight_transfer.shared_memory import SharedMemorySpec, remove_orphans
 
+            remove_orphans()
             return SharedMemorySpec(f"/dev/shm/{self._tag}-{name}", self.layout)
         if self.strategy == "collective":
             import torch

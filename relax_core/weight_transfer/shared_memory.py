@@ -33,6 +33,15 @@ def shared_memory_fits(layout: Layout, copies: int = 1) -> bool:
     return shutil.disk_usage(SHM_ROOT).free > nbytes(layout) * copies * 1.1
 
 
+def remove_orphans() -> None:
+    """Delete the weight files of runs whose driver is gone (killed, so it could not clean up): their names
+    start with ``relax-<driver pid>-`` (:class:`relax_core.weight_transfer.WeightTransfer`)."""
+    for path in SHM_ROOT.glob("relax-*-*"):
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+
+
 class SharedMemoryChannel(Channel):
     def __init__(self, spec: SharedMemorySpec, rank: int) -> None:
         self.rank = rank

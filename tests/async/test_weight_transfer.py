@@ -210,3 +210,23 @@ def test_auto_hands_weights_over_in_process_to_a_consumer_sharing_the_source_pro
     finally:
         source.kill()
         remove_placement_group(pg)
+
+
+def test_weight_files_of_a_killed_run_are_removed_by_the_next_run() -> None:
+    import os
+    import subprocess
+
+    from relax_core.weight_transfer.shared_memory import SHM_ROOT, remove_orphans
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a driver pid that no longer runs
+    orphan = SHM_ROOT / f"relax-{gone.pid}-deadbeef-policy-float32.bin"
+    mine = SHM_ROOT / f"relax-{os.getpid()}-deadbeef-policy-float32.bin"
+    for path in (orphan, mine):
+        path.write_bytes(b"\0" * 8)
+    try:
+        remove_orphans()
+        assert not orphan.exists() and mine.exists()
+    finally:
+        mine.unlink(missing_ok=True)
+        orphan.unlink(missing_ok=True)
