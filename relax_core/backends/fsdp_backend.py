@@ -1,7 +1,8 @@
 """The torch backend sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``) over data-parallel ranks.
 
-One instance runs in each Actor rank (``trainer.dp_size`` ranks, gloo on CPU, NCCL on GPU), and in each rank
-of the Reference in colocate mode (frozen: no optimizer). Every rank builds the model on the meta device;
+One instance runs in each Actor rank (``trainer.dp_size`` ranks, gloo on CPU, NCCL on GPU), and in colocate
+mode in each rank of the Reference (frozen: no optimizer) and of the Critic (with a value head:
+``ShardedValueBackend``). Every rank builds the model on the meta device;
 rank 0 alone reads the weights and sends each rank its shards, so no other rank holds the full model. Every method
 that touches weights is collective: the driver calls all ranks with the *whole* batch and each rank trains
 on its own contiguous slice. Gradients are averaged by FSDP's reduce-scatter, so each rank scales its
@@ -89,6 +90,7 @@ class FSDPBackend(TorchBackend):
         mine = pad_to_width(parts, width)
         gathered = [torch.empty_like(mine) for _ in range(self.ranks)]
         dist.all_gather(gathered, mine)
+        self.model.reshard()  # FSDP keeps the root's weights gathered after a forward, for a backward to come
         return torch.cat(gathered)
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:

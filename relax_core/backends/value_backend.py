@@ -1,8 +1,9 @@
 """The Critic's training backend: the policy architecture's trunk plus a scalar value head.
 
-It is a :class:`TorchBackend` whose model is :class:`ValueModel`, so the Critic trains through the same
-accumulation, clipping, optimizer, checkpoint and device code as the policy; its loss function receives
-per-token values ``V [b, r]`` where a policy's receives log-probs.
+It is a :class:`TorchBackend` (or, sharded over the Critic's ranks, an :class:`FSDPBackend`) whose model is
+:class:`ValueModel`, so the Critic trains through the same accumulation, clipping, optimizer, checkpoint and
+device code as the policy; its loss function receives per-token values ``V [b, r]`` where a policy's
+receives log-probs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from relax_core.algorithms.logprobs import response_positions
 from relax_core.backends.base import batch_to_device
+from relax_core.backends.fsdp_backend import FSDPBackend
 from relax_core.backends.torch_backend import TorchBackend
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_causal_lm
@@ -34,10 +36,17 @@ class ValueModel(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.trunk = load_causal_lm(model_path, dtype, attn_implementation, device=device)
+        # values read the last hidden state: no LM head (vocab x hidden, a large share of an untied model's
+        # weights, and a tied one would be untied by sharding)
+        self.trunk.lm_head = None
         self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
         self.head.to(device)
+
+    def gradient_checkpointing_enable(self) -> None:
+        """``model.gradient_checkpointing`` recomputes the trunk's activations, as the policy's."""
+        self.trunk.gradient_checkpointing_enable()
 
     def forward(self, batch: TrainBatch) -> torch.Tensor:
         """Values ``[B, R]`` on the CPU, next to the batch's masks and returns."""
@@ -49,7 +58,11 @@ class ValueModel(torch.nn.Module):
         return (values.gather(1, response_positions(batch)) * batch.loss_mask).cpu()
 
 
-class ValueBackend(TorchBackend):
+class ValueHead:
+    """What turns a policy backend into the Critic's: the :class:`ValueModel`, its values as the loss's
+    per-token input, and a constant-lr AdamW from ``algorithm.critic``. Mixed in before
+    :class:`TorchBackend` (one process) or :class:`FSDPBackend` (sharded over the Critic's ranks)."""
+
     def __init__(self, model_path: str, critic_cfg, model_cfg) -> None:
         """``critic_cfg`` (``algorithm.critic``): AdamW at a constant ``lr`` (defaults otherwise) and
         ``grad_clip``; the trunk comes from ``critic.model_path`` or the policy's ``model_path``."""
@@ -75,4 +88,13 @@ class ValueBackend(TorchBackend):
 
     def load_trunk(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Start the value trunk from the policy's weights (after the supervised warm-start)."""
-        self.model.trunk.load_state_dict(state_dict, strict=False)
+        self.load_state_dict({f"trunk.{name}": tensor for name, tensor in state_dict.items()})
+
+
+class ValueBackend(ValueHead, TorchBackend):
+    """The Critic in one process."""
+
+
+class ShardedValueBackend(ValueHead, FSDPBackend):
+    """The Critic as one rank of a group as large as the Actor's (colocate mode with ``trainer.fsdp``):
+    its value model is FSDP-sharded over the group, and every call runs collectively."""

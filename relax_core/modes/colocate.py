@@ -47,14 +47,16 @@ class ColocateMode(Mode):
         cfg, needs = self.cfg, self.ctx.needs
         r, t = cfg.rollout, cfg.trainer
         # bundle i: rollout engine i (i < num_engines), actor rank i (i < world); bundle 0 also holds the
-        # Critic, Teacher and Reference, unless FSDP shards the Reference over ranks like the Actor's
+        # Critic, Teacher and Reference, unless FSDP shards them over ranks like the Actor's: then rank i of
+        # the Reference and of the Critic sits next to Actor rank i
         world = actor_world_size(t)
-        shard_reference = needs.reference and t.backend == "torch" and t.fsdp and world > 1
-        helpers = len(needs.model_roles) - shard_reference
+        fsdp = t.backend == "torch" and t.fsdp and world > 1
+        shard_reference, shard_critic = fsdp and needs.reference, fsdp and needs.critic
+        helpers = len(needs.model_roles) - shard_reference - shard_critic
         bundles = []
         for i in range(max(r.num_engines, world)):
             engines = int(i < r.num_engines)
-            trainers = int(i < world) * (1 + shard_reference) + (helpers if i == 0 else 0)
+            trainers = int(i < world) * (1 + shard_reference + shard_critic) + (helpers if i == 0 else 0)
             gpu = engines * r.num_gpus + trainers * t.num_gpus
             bundles.append(
                 {"CPU": engines * r.num_cpus + trainers * t.num_cpus} | ({"GPU": gpu} if gpu else {})
@@ -81,26 +83,10 @@ class ColocateMode(Mode):
         # launch engines + elastic members (scale-out/in, external URLs) behind a router
         pool = RolloutPool(cfg, self.ctx.model_path, self.pg, list(range(r.num_engines)), shared)
         self.roles.rollout = pool
-        if shard_reference:  # its own process group, rank i next to Actor rank i
-            ref_port = free_port()
-            self.roles.reference = RoleGroup(
-                Reference,
-                "reference",
-                world,
-                self.pg,
-                list(range(world)),
-                t.num_cpus,
-                t.num_gpus,
-                args,
-                env_vars=[rank_env(i, world, ref_port) for i in range(world)],
-                kwargs={"sharded": True},
-            )
-        elif needs.reference:
-            self.roles.reference = RoleGroup(
-                Reference, "reference", 1, self.pg, [0], t.num_cpus, t.num_gpus, args
-            )
+        if needs.reference:
+            self.roles.reference = self._helper_group(Reference, "reference", shard_reference, world)
         if needs.critic:
-            self.roles.critic = RoleGroup(Critic, "critic", 1, self.pg, [0], t.num_cpus, t.num_gpus, args)
+            self.roles.critic = self._helper_group(Critic, "critic", shard_critic, world)
         if needs.teacher:
             teacher_args = (cfg, self.ctx.teacher_path)
             self.roles.teacher = RoleGroup(
@@ -122,6 +108,26 @@ class ColocateMode(Mode):
             self.agent.start()
         log.info("colocate roles up | weight transfer: %s | actor+rollout fused: %s", strategy, bool(shared))
         return self.roles
+
+    def _helper_group(self, role: type, name: str, sharded: bool, world: int) -> RoleGroup:
+        """A Reference or Critic: one process in bundle 0, or (``sharded``) ``world`` FSDP ranks in a process
+        group of their own, rank i in bundle i next to Actor rank i."""
+        t, args = self.cfg.trainer, (self.cfg, self.ctx.model_path)
+        if not sharded:
+            return RoleGroup(role, name, 1, self.pg, [0], t.num_cpus, t.num_gpus, args)
+        port = free_port()
+        return RoleGroup(
+            role,
+            name,
+            world,
+            self.pg,
+            list(range(world)),
+            t.num_cpus,
+            t.num_gpus,
+            args,
+            env_vars=[rank_env(i, world, port) for i in range(world)],
+            kwargs={"sharded": True},
+        )
 
     def _fuse(self) -> bool:
         """Whether the Actor and the rollout engine share one process (``mode.fuse_rollout``)."""
@@ -184,13 +190,13 @@ class ColocateMode(Mode):
         if needs_old_logprobs(self.cfg, len(batch)):
             # several updates per batch: the first one's log-probs are the behaviour policy's (ActorFwd)
             batch.extras["old_logprobs"] = roles.actor.call_collective("compute_log_probs", batch)
-        refs = {}
+        refs = {}  # Critic and Teacher score at once; every rank of a sharded Critic is awaited
         if roles.critic is not None:
-            refs["values"] = roles.critic.call("compute_values", batch)[0]
+            refs["values"] = roles.critic.call("compute_values", batch)
         if roles.teacher is not None:
-            refs["teacher_logprobs"] = roles.teacher.call("compute_log_probs", batch)[0]
-        for key, value in zip(refs, ray.get(list(refs.values())), strict=True):
-            batch.extras[key] = value
+            refs["teacher_logprobs"] = roles.teacher.call("compute_log_probs", batch)
+        for key, per_rank in refs.items():
+            batch.extras[key] = ray.get(per_rank)[0]
 
     def update(self, batch: TrainBatch) -> StepMetrics:
         """Stage 4 — Critic on the GAE returns (PPO), then the Actor's optimizer step(s); the actor waits
@@ -199,7 +205,7 @@ class ColocateMode(Mode):
         metrics: StepMetrics = {}
         frozen = critic_warming_up(self.cfg.algorithm, self.critic_updates)
         if self.roles.critic is not None:
-            metrics = ray.get(self.roles.critic.call("fit", batch)[0])
+            metrics = self.roles.critic.call_collective("fit", batch)
         if frozen:
             return metrics | FROZEN_ACTOR_METRICS
         return metrics | self.roles.actor.call_collective("train", batch)

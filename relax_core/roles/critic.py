@@ -6,7 +6,7 @@ import torch
 
 from relax_core.algorithms.advantages import gae, last_token_rewards
 from relax_core.algorithms.value import clipped_value_loss
-from relax_core.backends.value_backend import ValueBackend
+from relax_core.backends.value_backend import ShardedValueBackend, ValueBackend
 from relax_core.databus import DataBus, partition_name, sample_key
 from relax_core.databus.records import SAMPLE_FIELDS, batch_from_rows
 from relax_core.databus.stages import score_stage
@@ -16,7 +16,9 @@ from relax_models.loader import load_tokenizer
 
 
 class Critic:
-    def __init__(self, cfg, model_path: str, bus: DataBus | None = None) -> None:
+    def __init__(self, cfg, model_path: str, bus: DataBus | None = None, sharded: bool = False) -> None:
+        """``sharded``: this process is one rank of a group as large as the Actor's (colocate mode with
+        ``trainer.fsdp``): the value model is FSDP-sharded over it and every call runs collectively."""
         use_threads(cfg.trainer.num_threads)
         self.bus = bus
         self.pad = load_tokenizer(model_path).pad_token_id if bus is not None else 0
@@ -25,7 +27,8 @@ class Critic:
             raise ValueError("the Critic role needs algorithm.critic")
         self.cfg = cfg.algorithm.critic
         self.gamma, self.lam = cfg.algorithm.gamma, cfg.algorithm.lam
-        self.backend = ValueBackend(model_path, self.cfg, cfg.model)
+        backend = ShardedValueBackend if sharded else ValueBackend
+        self.backend = backend(model_path, self.cfg, cfg.model)
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:

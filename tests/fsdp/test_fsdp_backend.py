@@ -7,6 +7,7 @@ the same steps on the same global batch in the test process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import traceback
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
-from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relax_core.config import AlgorithmConfig, CriticConfig, ModelConfig, RelaxConfig, TrainerConfig
 from relax_core.samples import Sample, TrainBatch
 
 pytestmark = [
@@ -71,12 +72,33 @@ def trajectory(backend, batch: TrainBatch, checkpoint: Path) -> dict[str, Any]:
     return out
 
 
+def critic_config() -> RelaxConfig:
+    """PPO's Critic on the same ranks: clipping active, 2 micro-batches per rank."""
+    critic = CriticConfig(lr=1e-2, grad_clip=0.5, micro_batch_size=2)
+    return RelaxConfig(trainer=TRAINER, algorithm=AlgorithmConfig(critic=critic))
+
+
+def critic_trajectory(critic, batch: TrainBatch) -> dict[str, Any]:
+    """What two colocate steps ask of the Critic: values, then a fit on the GAE returns, twice (the zero
+    value head lets no gradient into the trunk on the first fit); its local parameter count and class."""
+    batch = dataclasses.replace(batch, extras=dict(batch.extras))
+    params = critic.backend.model.parameters()
+    local_numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+    out: dict[str, Any] = {"kind": type(critic.backend).__name__, "local_numel": local_numel}
+    for step in (1, 2):
+        out[f"values{step}"] = batch.extras["values"] = critic.compute_values(batch)
+        out[f"fit{step}"] = critic.fit(batch)
+    out["values3"] = critic.compute_values(batch)
+    return out
+
+
 def _worker(rank: int, port: int, model_dir: str, tmp: str, queue: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
         from relax_core.backends import build_backend
         from relax_core.backends.fsdp_backend import FSDPBackend
+        from relax_core.roles.critic import Critic
         from relax_models.loader import load_tokenizer
 
         batch = make_batch(load_tokenizer(model_dir))
@@ -99,6 +121,7 @@ def _worker(rank: int, port: int, model_dir: str, tmp: str, queue: Any) -> None:
             "local_numel": sum(p.to_local().numel() for p in reference.model.parameters()),
             "logprobs": reference.forward_logprobs(batch, 3),
         }
+        result["critic"] = critic_trajectory(Critic(critic_config(), model_dir, sharded=True), batch)
         # exact resume: a fresh backend loads the step-1 checkpoint and retakes step 2
         torch.manual_seed(99)  # the checkpoint's RNG state must win over this
         resumed = FSDPBackend(model_dir, TRAINER, ModelConfig())
@@ -132,14 +155,16 @@ def sharded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 @pytest.fixture(scope="module")
 def single(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The same steps on one unsharded process (the default torch path)."""
-    from dataclasses import replace
-
     from relax_core.backends.torch_backend import TorchBackend
+    from relax_core.roles.critic import Critic
     from relax_models.loader import load_tokenizer
 
     batch = make_batch(load_tokenizer(str(tiny_model_dir)))
-    backend = TorchBackend(str(tiny_model_dir), replace(TRAINER, fsdp=False, dp_size=1), ModelConfig())
-    return trajectory(backend, batch, tmp_path_factory.mktemp("single") / "ckpt")
+    backend = TorchBackend(
+        str(tiny_model_dir), dataclasses.replace(TRAINER, fsdp=False, dp_size=1), ModelConfig()
+    )
+    out = trajectory(backend, batch, tmp_path_factory.mktemp("single") / "ckpt")
+    return out | {"critic": critic_trajectory(Critic(critic_config(), str(tiny_model_dir)), batch)}
 
 
 def _assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -198,6 +223,25 @@ def test_sharded_reference_scores_like_the_unsharded_model(sharded, single) -> N
         assert reference["local_numel"] <= full // WORLD + 1024
         torch.testing.assert_close(reference["logprobs"], single["logprobs"], rtol=1e-5, atol=1e-5)
         assert torch.equal(reference["logprobs"], sharded[rank]["logprobs"])  # the Actor's before training
+
+
+def test_sharded_critic_fits_like_the_unsharded_critic(sharded, single) -> None:
+    """The Critic of a colocate run with ``trainer.fsdp``: its value model sharded over the ranks, each
+    fitting its slice of the batch, takes the step one unsharded Critic takes on the whole batch."""
+    want = single["critic"]
+    assert want["kind"] == "ValueBackend"
+    assert want["fit2"]["critic/grad_norm"] > 0.5  # clipping was exercised
+    assert (want["values3"] - want["values2"]).abs().max() > 1e-2  # the fits moved the values
+    for rank in range(WORLD):
+        got = sharded[rank]["critic"]
+        assert got["kind"] == "ShardedValueBackend"
+        assert got["local_numel"] <= want["local_numel"] // WORLD + 1024
+        for step in (1, 2):
+            torch.testing.assert_close(got[f"values{step}"], want[f"values{step}"], rtol=1e-5, atol=1e-6)
+            for key in ("critic/vf_loss", "critic/grad_norm", "critic/values_mean"):
+                assert got[f"fit{step}"][key] == pytest.approx(want[f"fit{step}"][key], rel=1e-5, abs=1e-7)
+        # two updates at lr 1e-2 amplify fp32 summation-order differences to ~1e-5
+        torch.testing.assert_close(got["values3"], want["values3"], rtol=1e-4, atol=1e-5)
 
 
 def test_sharded_checkpoint_resumes_exactly(sharded) -> None:

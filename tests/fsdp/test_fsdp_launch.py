@@ -37,15 +37,24 @@ def _rewards(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_kl_run_shards_the_reference_next_to_the_actor_ranks(tmp_path: Path) -> None:
-    """algorithm.kl_loss_coef > 0 starts the Reference; with trainer=fsdp in colocate it runs as 2 FSDP ranks
-    of its own gloo group (its log-probs equal the unsharded model's: test_fsdp_backend.py)."""
-    run = tmp_path / "kl"
-    summary = _launch(run, [*TINY_FSDP_RUN, "algorithm.kl_loss_coef=0.01", "trainer.total_steps=2"])
+def test_ppo_kl_run_shards_the_reference_and_critic_next_to_the_actor_ranks(tmp_path: Path) -> None:
+    """algorithm=ppo with kl_loss_coef > 0 starts a Critic and a Reference; with trainer=fsdp in colocate each
+    runs as 2 FSDP ranks of its own gloo group (both score like the unsharded models: test_fsdp_backend.py)."""
+    run = tmp_path / "ppo_kl"
+    overrides = ["algorithm=ppo", "algorithm.kl_loss_coef=0.01", "algorithm.critic.warmup_steps=1"]
+    summary = _launch(run, [*TINY_FSDP_RUN, *overrides, "trainer.total_steps=3", "trainer.save_every=3"])
     assert summary["status"] == "finished"
+    for role in ("critic", "reference"):  # one shard file per rank: both roles ran as 2 FSDP ranks
+        saved = run / "checkpoints" / "step_000003" / role
+        assert sorted(p.name for p in saved.glob("fsdp_rank*.pt")) == [
+            "fsdp_rank00000.pt",
+            "fsdp_rank00001.pt",
+        ]
     rows = [r for r in _metrics(run) if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert rows[-1]["kl"] > 0  # step 2 trains a policy that moved away from the (sharded) Reference
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["critic/vf_loss"] > 0 for r in rows)  # the sharded Critic fits every step
+    assert rows[0]["critic/values_mean"] == 0.0 != rows[-1]["critic/values_mean"]  # zero head, then fitted
+    assert rows[-1]["kl"] > 0  # step 3 trains a policy that moved away from the (sharded) Reference
 
 
 @pytest.mark.slow
