@@ -33,12 +33,6 @@ QUIET_ENV = {
 }
 
 
-# glibc keeps freed tensor memory in its heap once its adaptive mmap threshold has grown (up to 32 MB);
-# a fixed 64 KiB threshold gives large tensors their own mappings, returned to the OS when freed (a
-# training process of the default experiment stays ~150 MB smaller). A value the user set wins.
-LEAN_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536")}
-
-
 def quiet_third_parties() -> None:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
@@ -63,7 +57,7 @@ def run_experiment_on_ray(cfg: DictConfig, connect: Connect) -> Summary:
         config.logger.notify_urls, config.logger.run_name or os.path.basename(config.output_dir)
     )
     loop = RunLoop(config, resolved)  # loads model folder and data: user errors surface here
-    connect({"env_vars": QUIET_ENV | LEAN_MALLOC_ENV})
+    connect({"env_vars": QUIET_ENV})
     notifier.send("start", f"run started: {config.output_dir} ({config.trainer.total_steps} steps)")
     try:
         summary = loop.run()

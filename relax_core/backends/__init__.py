@@ -19,8 +19,8 @@ def build_backend(
     """The backend ``trainer.backend`` names; ``trainable=False`` for frozen scorers (Reference).
 
     ``trainer.fsdp`` shards a torch model over the process group of its role's ranks when ``sharded``
-    (default: ``trainable``): the Actor's data-parallel ranks, and the Reference in colocate mode, whose
-    group has as many ranks. Other frozen scorers run as one unsharded process.
+    (default: ``trainable``): the Actor's data-parallel ranks, and in colocate mode the Reference and the
+    Teacher, whose groups have as many ranks. Other frozen scorers run as one unsharded process.
     """
     shard = trainable if sharded is None else sharded
     if name == "torch" and shard and getattr(trainer_cfg, "fsdp", False):

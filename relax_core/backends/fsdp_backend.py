@@ -1,8 +1,8 @@
 """The torch backend sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``) over data-parallel ranks.
 
 One instance runs in each Actor rank (``trainer.dp_size`` ranks, gloo on CPU, NCCL on GPU), and in colocate
-mode in each rank of the Reference (frozen: no optimizer) and of the Critic (with a value head:
-``ShardedValueBackend``). Every rank builds the model on the meta device;
+mode in each rank of the Reference and the Teacher (frozen: no optimizer) and of the Critic (with a value
+head: ``ShardedValueBackend``). Every rank builds the model on the meta device;
 rank 0 alone reads the weights and sends each rank its shards, so no other rank holds the full model. Every method
 that touches weights is collective: the driver calls all ranks with the *whole* batch and each rank trains
 on its own contiguous slice. Gradients are averaged by FSDP's reduce-scatter, so each rank scales its

@@ -47,16 +47,16 @@ class ColocateMode(Mode):
         cfg, needs = self.cfg, self.ctx.needs
         r, t = cfg.rollout, cfg.trainer
         # bundle i: rollout engine i (i < num_engines), actor rank i (i < world); bundle 0 also holds the
-        # Critic, Teacher and Reference, unless FSDP shards them over ranks like the Actor's: then rank i of
-        # the Reference and of the Critic sits next to Actor rank i
+        # Reference, Critic and Teacher, unless FSDP shards them over ranks like the Actor's: then rank i of
+        # each sits next to Actor rank i
         world = actor_world_size(t)
         fsdp = t.backend == "torch" and t.fsdp and world > 1
-        shard_reference, shard_critic = fsdp and needs.reference, fsdp and needs.critic
-        helpers = len(needs.model_roles) - shard_reference - shard_critic
+        sharded = set(needs.model_roles) if fsdp else set()
+        helpers = len(needs.model_roles) - len(sharded)
         bundles = []
         for i in range(max(r.num_engines, world)):
             engines = int(i < r.num_engines)
-            trainers = int(i < world) * (1 + shard_reference + shard_critic) + (helpers if i == 0 else 0)
+            trainers = int(i < world) * (1 + len(sharded)) + (helpers if i == 0 else 0)
             gpu = engines * r.num_gpus + trainers * t.num_gpus
             bundles.append(
                 {"CPU": engines * r.num_cpus + trainers * t.num_cpus} | ({"GPU": gpu} if gpu else {})
@@ -83,15 +83,14 @@ class ColocateMode(Mode):
         # launch engines + elastic members (scale-out/in, external URLs) behind a router
         pool = RolloutPool(cfg, self.ctx.model_path, self.pg, list(range(r.num_engines)), shared)
         self.roles.rollout = pool
-        if needs.reference:
-            self.roles.reference = self._helper_group(Reference, "reference", shard_reference, world)
-        if needs.critic:
-            self.roles.critic = self._helper_group(Critic, "critic", shard_critic, world)
-        if needs.teacher:
-            teacher_args = (cfg, self.ctx.teacher_path)
-            self.roles.teacher = RoleGroup(
-                Teacher, "teacher", 1, self.pg, [0], t.num_cpus, t.num_gpus, teacher_args
-            )
+        helper_roles = {
+            "reference": (Reference, self.ctx.model_path),
+            "critic": (Critic, self.ctx.model_path),
+            "teacher": (Teacher, self.ctx.teacher_path),
+        }
+        for name in needs.model_roles:
+            role, path = helper_roles[name]
+            setattr(self.roles, name, self._helper_group(role, name, path, name in sharded, world))
         layout = ray.get(self.roles.actor.call("weights_layout"))[0]  # collective on sharded Actors
         strategy = choose_strategy(
             cfg.weight_transfer.name, "colocate", self.roles.actor, pool.actors, layout
@@ -106,13 +105,18 @@ class ColocateMode(Mode):
 
             self.agent = AgentProgramRollout(cfg, pool, self.ctx.tokenizer)
             self.agent.start()
-        log.info("colocate roles up | weight transfer: %s | actor+rollout fused: %s", strategy, bool(shared))
+        log.info(
+            "colocate roles up | weight transfer: %s | actor+rollout fused: %s | FSDP-sharded helpers: %s",
+            strategy,
+            bool(shared),
+            ", ".join(sorted(sharded)) or "none",
+        )
         return self.roles
 
-    def _helper_group(self, role: type, name: str, sharded: bool, world: int) -> RoleGroup:
-        """A Reference or Critic: one process in bundle 0, or (``sharded``) ``world`` FSDP ranks in a process
-        group of their own, rank i in bundle i next to Actor rank i."""
-        t, args = self.cfg.trainer, (self.cfg, self.ctx.model_path)
+    def _helper_group(self, role: type, name: str, model_path: str, sharded: bool, world: int) -> RoleGroup:
+        """A Reference, Critic or Teacher: one process in bundle 0, or (``sharded``) ``world`` FSDP ranks in a
+        process group of their own, rank i in bundle i next to Actor rank i."""
+        t, args = self.cfg.trainer, (self.cfg, model_path)
         if not sharded:
             return RoleGroup(role, name, 1, self.pg, [0], t.num_cpus, t.num_gpus, args)
         port = free_port()

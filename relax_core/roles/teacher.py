@@ -32,7 +32,9 @@ log = logging.getLogger("relax")
 
 
 class Teacher:
-    def __init__(self, cfg, teacher_path: str, bus: DataBus | None = None) -> None:
+    def __init__(self, cfg, teacher_path: str, bus: DataBus | None = None, sharded: bool = False) -> None:
+        """``sharded``: this process is one rank of a group as large as the Actor's (colocate mode with
+        ``trainer.fsdp``): the frozen teacher is FSDP-sharded over it and every call runs collectively."""
         from relax_models.loader import load_tokenizer
 
         use_threads(cfg.trainer.num_threads)
@@ -40,7 +42,14 @@ class Teacher:
         self.bus = bus
         self.pad = load_tokenizer(teacher_path).pad_token_id if bus is not None else 0
         self.backend = build_backend(
-            "torch", teacher_path, cfg.trainer, cfg.model, cfg.rollout.temperature, cfg.seed, trainable=False
+            "torch",
+            teacher_path,
+            cfg.trainer,
+            cfg.model,
+            cfg.rollout.temperature,
+            cfg.seed,
+            trainable=False,
+            sharded=sharded,
         )
 
     def compute_log_probs(self, batch: TrainBatch) -> torch.Tensor:

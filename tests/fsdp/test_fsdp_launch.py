@@ -18,6 +18,7 @@ from resilience_helpers import TINY_RUN  # noqa: E402
 
 # the resilience tests' tiny run (2 warm-start steps, 4 prompts x 4 samples per RL step) on 2 FSDP ranks
 TINY_FSDP_RUN = ["trainer=fsdp", "trainer.dp_size=2", *TINY_RUN]
+RANK_FILES = ["fsdp_rank00000.pt", "fsdp_rank00001.pt"]  # what each sharded role saves
 
 
 def _launch(run_dir: Path, overrides: list[str]) -> dict:
@@ -44,17 +45,28 @@ def test_ppo_kl_run_shards_the_reference_and_critic_next_to_the_actor_ranks(tmp_
     overrides = ["algorithm=ppo", "algorithm.kl_loss_coef=0.01", "algorithm.critic.warmup_steps=1"]
     summary = _launch(run, [*TINY_FSDP_RUN, *overrides, "trainer.total_steps=3", "trainer.save_every=3"])
     assert summary["status"] == "finished"
+    assert "FSDP-sharded helpers: critic, reference" in (run / "cli.log").read_text()
     for role in ("critic", "reference"):  # one shard file per rank: both roles ran as 2 FSDP ranks
         saved = run / "checkpoints" / "step_000003" / role
-        assert sorted(p.name for p in saved.glob("fsdp_rank*.pt")) == [
-            "fsdp_rank00000.pt",
-            "fsdp_rank00001.pt",
-        ]
+        assert sorted(p.name for p in saved.glob("fsdp_rank*.pt")) == RANK_FILES
     rows = [r for r in _metrics(run) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["critic/vf_loss"] > 0 for r in rows)  # the sharded Critic fits every step
     assert rows[0]["critic/values_mean"] == 0.0 != rows[-1]["critic/values_mean"]  # zero head, then fitted
     assert rows[-1]["kl"] > 0  # step 3 trains a policy that moved away from the (sharded) Reference
+
+
+@pytest.mark.slow
+def test_distillation_run_shards_the_teacher_next_to_the_actor_ranks(tmp_path: Path) -> None:
+    """algorithm=opd scores with a frozen Teacher; with trainer=fsdp in colocate it runs as 2 FSDP ranks of
+    its own gloo group, like the Reference (same backend: test_fsdp_backend.py)."""
+    run = tmp_path / "opd"
+    # a briefly trained teacher: what is tested is where it runs, not what it knows
+    teacher = [f"algorithm.teacher.cache_dir={tmp_path / 'teachers'}", "algorithm.teacher.train_steps=10"]
+    summary = _launch(run, [*TINY_FSDP_RUN, "algorithm=opd", *teacher, "trainer.total_steps=2"])
+    assert summary["status"] == "finished"
+    assert "FSDP-sharded helpers: teacher" in (run / "cli.log").read_text()
+    assert [r["step"] for r in _metrics(run) if "reward/mean" in r] == [1, 2]
 
 
 @pytest.mark.slow
@@ -64,7 +76,7 @@ def test_two_fsdp_ranks_resume_from_a_sharded_checkpoint_like_the_uninterrupted_
     assert _launch(straight, [*common, "trainer.save_every=2"])["status"] == "finished"
     ckpt = straight / "checkpoints" / "step_000002"
     actor = ckpt / "actor"
-    assert sorted(p.name for p in actor.glob("fsdp_rank*.pt")) == ["fsdp_rank00000.pt", "fsdp_rank00001.pt"]
+    assert sorted(p.name for p in actor.glob("fsdp_rank*.pt")) == RANK_FILES
     assert len(list((actor / "dcp").glob("*.distcp"))) == 2  # one shard file per rank
     assert not (actor / "backend.pt").exists()  # no full copy of the model in the checkpoint
 
