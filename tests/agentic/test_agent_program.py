@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from statistics import mean
 
 import pytest
 
@@ -29,9 +28,11 @@ from tests.agentic.test_agentic_launch import ENV, ROOT
 AGENT = ROOT / "examples" / "agents" / "calc_agent.py"
 TOOLS_AGENT = ROOT / "examples" / "agents" / "calc_tools_agent.py"
 FAULTY = ROOT / "tests" / "agentic" / "faulty_agent.py"
-# what agent_tools_calc's RL must add (reward: last 10% of steps over the first; greedy eval accuracy):
-# about half the smallest gains of 3 measured runs (0.16 and 0.50; the agent path is not bit-deterministic)
-REWARD_GAIN, ACCURACY_GAIN = 0.08, 0.25
+# what agent_tools_calc's RL must add to greedy accuracy on held-out questions: half the smallest gain of 5
+# measured runs (0.50 to 0.81; the agent path is not bit-deterministic). The sampled train reward is too noisy
+# over 40 steps to gate on: one CI run rose only 0.06 (first to last 10% of steps) while its greedy
+# accuracy went 0.19 -> 0.81
+ACCURACY_GAIN = 0.25
 SHORT = [
     "experiment=agent_program_calc",
     "trainer.eval_every=0",
@@ -224,10 +225,7 @@ def test_function_calling_agent_learns_which_function_fits_under_rl(tmp_path):
     rows = metric_rows(tmp_path)
     assert all(r["agent/failed_sessions"] == 0 for r in rows), rows
     assert summary["eval_accuracy_untrained"] == 0.0, summary
-    assert summary["reward_gain"] >= REWARD_GAIN, summary
     assert summary["eval_accuracy_final"] >= summary["eval_accuracy_start"] + ACCURACY_GAIN, summary
-    first, last = rows[: len(rows) // 10], rows[-(len(rows) // 10) :]
-    assert mean(r["reward/right_tool"] for r in last) > mean(r["reward/right_tool"] for r in first), rows
     sessions = [json.loads(line) for line in (tmp_path / "agent_logs" / "trajectories.jsonl").open()]
     solved = [s for s in sessions if s["reward"] == 1.0]
     assert solved
