@@ -449,7 +449,16 @@ class AsyncMode(Mode):
         Actor has not trained, and start again from the oldest one with the prompts it drew before.
 
         Samples are accounted by step: a step is trained once (the Actor's optimizer step is the commit
-        point), and the rows of a dropped step are counted as regenerated, never trained."""
+        point), and the rows of a dropped step are counted as regenerated, never trained. A role that dies
+        while this runs (e.g. the Actor, as the followers are handed its version) starts it over; the
+        health manager bounds the attempts and turns the Actor's death into a restart from the checkpoint."""
+        while True:
+            try:
+                return self._recover_once(st, err)
+            except ACTOR_FAILURES as again:
+                err = again
+
+    def _recover_once(self, st: Schedule, err: BaseException) -> None:
         self.health.current_step = st.trained + 1
         self.health.step_failed(st.trained + 1, err)  # GlobalRestartNeeded when the Actor or Critic died
         self.bus.wait_until_up()  # a killed bus server is back, empty
