@@ -63,23 +63,9 @@ class ColocateMode(Mode):
             )
         self.pg = placement_group(bundles, strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)
-        args = (cfg, self.ctx.model_path)
-        # world > 1: FSDP data-parallel or megatron model-parallel ranks, one gloo/NCCL group on 127.0.0.1
-        port = free_port() if world > 1 else 0
         shared = SharedProcesses(self.pg, "actor-rollout", ["actor", "rollout"]) if self._fuse() else None
-        self.roles.actor = RoleGroup(
-            Actor,
-            "actor",
-            world,
-            self.pg,
-            list(range(world)),
-            t.num_cpus,
-            t.num_gpus,
-            args,
-            pass_replica=True,
-            env_vars=[rank_env(i, world, port) for i in range(world)] if world > 1 else None,
-            shared=shared,
-        )
+        actor_args = (cfg, self.ctx.model_path)
+        self.roles.actor = self._ranks(Actor, "actor", actor_args, world, pass_replica=True, shared=shared)
         # launch engines + elastic members (scale-out/in, external URLs) behind a router
         pool = RolloutPool(cfg, self.ctx.model_path, self.pg, list(range(r.num_engines)), shared)
         self.roles.rollout = pool
@@ -116,10 +102,17 @@ class ColocateMode(Mode):
     def _helper_group(self, role: type, name: str, model_path: str, sharded: bool, world: int) -> RoleGroup:
         """A Reference, Critic or Teacher: one process in bundle 0, or (``sharded``) ``world`` FSDP ranks in a
         process group of their own, rank i in bundle i next to Actor rank i."""
-        t, args = self.cfg.trainer, (self.cfg, model_path)
+        args = (self.cfg, model_path)
         if not sharded:
-            return RoleGroup(role, name, 1, self.pg, [0], t.num_cpus, t.num_gpus, args)
-        port = free_port()
+            return self._ranks(role, name, args, 1)
+        return self._ranks(role, name, args, world, kwargs={"sharded": True})
+
+    def _ranks(self, role: type, name: str, args: tuple, world: int, **options: Any) -> RoleGroup:
+        """``world`` processes of ``role`` in bundles 0..world-1; several form one gloo/NCCL group on
+        127.0.0.1 (FSDP data-parallel or megatron model-parallel ranks)."""
+        t = self.cfg.trainer
+        port = free_port() if world > 1 else 0
+        env_vars = [rank_env(i, world, port) for i in range(world)] if world > 1 else None
         return RoleGroup(
             role,
             name,
@@ -129,8 +122,8 @@ class ColocateMode(Mode):
             t.num_cpus,
             t.num_gpus,
             args,
-            env_vars=[rank_env(i, world, port) for i in range(world)],
-            kwargs={"sharded": True},
+            env_vars=env_vars,
+            **options,
         )
 
     def _fuse(self) -> bool:
