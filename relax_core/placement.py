@@ -27,6 +27,36 @@ def role_device() -> torch.device:
     return torch.device("cuda", index)
 
 
+def reserve(bundles: list[dict[str, float]], name: str, timeout_s: float = 120.0) -> Any:
+    """A ready PACKed placement group of ``bundles`` named ``name``, or one error saying what is short."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for resource, amount in bundle.items():
+            need[resource] = need.get(resource, 0.0) + amount
+    have = ray.cluster_resources()
+    short = {k: v for k, v in need.items() if v > have.get(k, 0.0) + 1e-9}
+    if short:
+        asked = ", ".join(f"{v:g} {k}" for k, v in short.items())
+        held = ", ".join(f"{have.get(k, 0.0):g} {k}" for k in short)
+        raise RelaxUserError(
+            f"the roles of {name} need {asked} in Ray but the cluster has {held}: raise cluster.num_cpus/cluster.num_gpus "
+            "or lower rollout.num_cpus/trainer.num_cpus (logical shares, not cores)"
+        )
+    pg = placement_group(bundles, strategy="PACK", name=name)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise RelaxUserError(
+            f"Ray could not place {name} {bundles} within {timeout_s:g} s (free: {ray.available_resources()}): "
+            "other work holds the resources, or no single node fits a bundle"
+        ) from None
+    return pg
+
+
 def actor_world_size(trainer_cfg: Any) -> int:
     """Actor processes the trainer needs: ``trainer.dp_size`` FSDP ranks, or the megatron training world."""
     if trainer_cfg.backend == "megatron":

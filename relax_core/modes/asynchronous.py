@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
 from relax_core.algorithm_roles import dynamic_sampling_metrics
 from relax_core.databus import DataBus, partition_name, start_databus
@@ -40,6 +40,7 @@ from relax_core.databus.records import SAMPLE_FIELDS
 from relax_core.errors import RelaxUserError
 from relax_core.health import ACTOR_FAILURES, GlobalRestartNeeded
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics, split_evenly
+from relax_core.placement import reserve
 from relax_core.ray_groups import RoleGroup
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
@@ -136,9 +137,8 @@ class AsyncMode(Mode):
     # ------------------------------------------------------------------ setup / teardown
     def _group(self, cls, name: str, replicas: int, cpus: float, gpus: float, args: tuple, **kw) -> RoleGroup:
         bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus else {})
-        pg = placement_group([bundle] * replicas, strategy="PACK", name=f"relax-{name}")
+        pg = reserve([bundle] * replicas, f"relax-{name}")
         self.pgs.append(pg)
-        ray.get(pg.ready(), timeout=120)
         group = RoleGroup(cls, name, replicas, pg, list(range(replicas)), cpus, gpus, args, **kw)
         setattr(self.roles, name, group)
         return group

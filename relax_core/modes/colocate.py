@@ -8,17 +8,18 @@ publish the new weights to the rollout engines.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
 from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynamic_sampling, critic_warming_up
 from relax_core.algorithms.spec import needs_old_logprobs
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
-from relax_core.placement import actor_world_size, rank_env
+from relax_core.placement import actor_world_size, rank_env, reserve
 from relax_core.ray_groups import RoleGroup, SharedProcesses
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
@@ -48,21 +49,20 @@ class ColocateMode(Mode):
         r, t = cfg.rollout, cfg.trainer
         # bundle i: rollout engine i (i < num_engines), actor rank i (i < world); bundle 0 also holds the
         # Reference, Critic and Teacher, unless FSDP shards them over ranks like the Actor's: then rank i of
-        # each sits next to Actor rank i
+        # each sits next to Actor rank i. They take turns with the Actor, so the model roles next to one
+        # Actor rank split its trainer.num_cpus/num_gpus instead of reserving their own
         world = actor_world_size(t)
         fsdp = t.backend == "torch" and t.fsdp and world > 1
         sharded = set(needs.model_roles) if fsdp else set()
-        helpers = len(needs.model_roles) - len(sharded)
+        self.trainer_share = 1.0 / (1 + len(needs.model_roles))
         bundles = []
         for i in range(max(r.num_engines, world)):
-            engines = int(i < r.num_engines)
-            trainers = int(i < world) * (1 + len(sharded)) + (helpers if i == 0 else 0)
+            engines, trainers = int(i < r.num_engines), int(i < world)
             gpu = engines * r.num_gpus + trainers * t.num_gpus
             bundles.append(
                 {"CPU": engines * r.num_cpus + trainers * t.num_cpus} | ({"GPU": gpu} if gpu else {})
             )
-        self.pg = placement_group(bundles, strategy="PACK")
-        ray.get(self.pg.ready(), timeout=120)
+        self.pg = reserve(bundles, "relax-colocate")
         shared = SharedProcesses(self.pg, "actor-rollout", ["actor", "rollout"]) if self._fuse() else None
         actor_args = (cfg, self.ctx.model_path)
         self.roles.actor = self._ranks(Actor, "actor", actor_args, world, pass_replica=True, shared=shared)
@@ -119,12 +119,17 @@ class ColocateMode(Mode):
             world,
             self.pg,
             list(range(world)),
-            t.num_cpus,
-            t.num_gpus,
+            self._share(t.num_cpus),
+            self._share(t.num_gpus),
             args,
             env_vars=env_vars,
             **options,
         )
+
+    def _share(self, amount: float) -> float:
+        """One model role's part of an Actor rank's ``amount``, rounded down to Ray's resource precision
+        (1e-4) so that the parts never add up to more than the bundle holds."""
+        return math.floor(amount * self.trainer_share * 1e4) / 1e4
 
     def _fuse(self) -> bool:
         """Whether the Actor and the rollout engine share one process (``mode.fuse_rollout``)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -143,9 +145,18 @@ def test_transferqueue_refuses_without_free_cpus_with_a_clear_message(ray_cluste
     from relax_core.databus.transferqueue import TransferQueueDataBus
     from relax_core.errors import RelaxUserError
 
-    free = ray.available_resources().get("CPU", 0)
-    pg = placement_group([{"CPU": free - 1.0}])
+    def free_cpus_become(condition) -> None:
+        # Ray's resource view lags: a killed actor's CPUs and a ready placement group show up later
+        deadline = time.monotonic() + 60
+        while not condition(ray.available_resources().get("CPU", 0.0)):
+            assert time.monotonic() < deadline, ray.available_resources()
+            time.sleep(0.2)
+
+    total = ray.cluster_resources()["CPU"]
+    free_cpus_become(lambda free: free == total)  # the previous test's bus and writer are gone
+    pg = placement_group([{"CPU": total - 1.0}])
     ray.get(pg.ready(), timeout=60)
+    free_cpus_become(lambda free: free <= 1.0)
     try:
         with pytest.raises(RelaxUserError, match="cluster.num_cpus"):
             TransferQueueDataBus.start()

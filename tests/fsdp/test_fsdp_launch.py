@@ -40,10 +40,12 @@ def _rewards(run_dir: Path) -> dict[int, float]:
 @pytest.mark.slow
 def test_ppo_kl_run_shards_the_reference_and_critic_next_to_the_actor_ranks(tmp_path: Path) -> None:
     """algorithm=ppo with kl_loss_coef > 0 starts a Critic and a Reference; with trainer=fsdp in colocate each
-    runs as 2 FSDP ranks of its own gloo group (both score like the unsharded models: test_fsdp_backend.py)."""
+    runs as 2 FSDP ranks of its own gloo group (both score like the unsharded models: test_fsdp_backend.py).
+    They split the CPUs of the Actor rank they sit next to, so all 7 processes fit 2 logical CPUs."""
     run = tmp_path / "ppo_kl"
     overrides = ["algorithm=ppo", "algorithm.kl_loss_coef=0.01", "algorithm.critic.warmup_steps=1"]
-    summary = _launch(run, [*TINY_FSDP_RUN, *overrides, "trainer.total_steps=3", "trainer.save_every=3"])
+    two_cpus = [o for o in TINY_FSDP_RUN if not o.startswith("cluster.num_cpus=")] + ["cluster.num_cpus=2"]
+    summary = _launch(run, [*two_cpus, *overrides, "trainer.total_steps=3", "trainer.save_every=3"])
     assert summary["status"] == "finished"
     assert "FSDP-sharded helpers: critic, reference" in (run / "cli.log").read_text()
     for role in ("critic", "reference"):  # one shard file per rank: both roles ran as 2 FSDP ranks

@@ -46,6 +46,7 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Comple
         "defaults_tree": ["--info", "defaults-tree"],
         "help": ["--help"],
         "missing_model": ["model=qwen3_4b", "model.path=/nonexistent"],
+        "cpus_short": ["trainer.num_cpus=3", "cluster.num_cpus=2"],
         **{f"data_{name}": ["data=jsonl", f"data.train_path={path}"] for name, path in data.items()},
     }
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RAY_ADDRESS")}
@@ -115,6 +116,18 @@ def test_bad_input_fails_before_ray_with_one_line(cli, case: str, needles: list[
     assert_one_error_line(result, *needles)
     output = result.stdout + result.stderr
     assert not any(marker in output for marker in RAY_MARKERS), output[-2000:]
+
+
+def test_more_logical_cpus_than_the_cluster_has_fails_with_one_error_naming_the_knobs(cli) -> None:
+    """Caught when the placement group is asked for, not after Ray's 120 s wait for it."""
+    result = cli["cpus_short"]
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
+    assert errors == [
+        "error: the roles of relax-colocate need 3.5 CPU in Ray but the cluster has 2 CPU: raise "
+        "cluster.num_cpus/cluster.num_gpus or lower rollout.num_cpus/trainer.num_cpus (logical shares, not cores)"
+    ], result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.returncode == 2
 
 
 def test_cfg_job_prints_the_composed_config(cli) -> None:
