@@ -30,7 +30,10 @@ def format_step_line(step: int, total: int, m: dict[str, float]) -> str:
     parts = [f"step {step:>4}/{total}", f"reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}"]
     if "eval/accuracy" in m:
         parts.append(f"eval acc {m['eval/accuracy']:.3f}")
-    parts += [f"loss {m['loss']:+.4f}", f"kl {m['kl']:.4f}", f"ent {m['entropy']:.3f}"]
+    if m.get("actor_frozen"):  # PPO's critic warm-up: the policy waits, it has no loss or entropy
+        parts.append("actor waits for the critic")
+    else:
+        parts += [f"loss {m['loss']:+.4f}", f"kl {m['kl']:.4f}", f"ent {m['entropy']:.3f}"]
     if "staleness/mean" in m:
         parts.append(f"stale {m['staleness/mean']:.1f}")
     parts += [f"{m['tokens_per_s']:.0f} tok/s", f"{m['step_time_s']:.2f}s"]

@@ -47,6 +47,9 @@ def test_format_step_line() -> None:
     line = format_step_line(3, 10, step_metrics(3) | {"eval/accuracy": 0.25, "staleness/mean": 1.0})
     assert line.startswith("step    3/10 | reward 0.300±0.050 | eval acc 0.250")
     assert "stale 1.0" in line and "1003 tok/s" in line and line.endswith("0.40s")
+    assert "| loss " in line and "| ent " in line
+    frozen = format_step_line(1, 10, step_metrics(1) | {"actor_frozen": 1.0, "entropy": math.nan})
+    assert "actor waits for the critic" in frozen and "ent" not in frozen and "nan" not in frozen
 
 
 def test_sink_writes_jsonl_mlflow_and_plot(make_cfg, tmp_path: Path) -> None:
