@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from relax_core.errors import RelaxUserError
+from relax_models.ports import free_port
 
 
 def role_device() -> torch.device:
@@ -79,6 +80,14 @@ def rank_env(rank: int, world_size: int, master_port: int, master_addr: str = "1
     }
 
 
+def rank_envs(world_size: int) -> list[dict[str, str]] | None:
+    """The environment of each rank of one ``world_size`` group on a free local port; None for one."""
+    if world_size == 1:
+        return None
+    port = free_port()
+    return [rank_env(i, world_size, port) for i in range(world_size)]
+
+
 def data_parallel_size(trainer_cfg: Any) -> int:
     """Ranks that each train on their own slice of a batch."""
     if trainer_cfg.backend == "megatron":
@@ -100,11 +109,6 @@ def check_training_ranks(cfg: Any) -> None:
     dp = data_parallel_size(t)
     if dp == 1:
         return
-    if actor_world_size(t) > 1 and cfg.mode.name != "colocate":
-        raise RelaxUserError(
-            f"{actor_world_size(t)} Actor processes (trainer.dp_size={t.dp_size}) are started by mode=colocate "
-            f"only so far; use mode=colocate or trainer.dp_size=1"
-        )
     batches = {"trainer.global_batch_size": t.global_batch_size} if t.global_batch_size else {}
     if not t.global_batch_size:
         batches["rollout.batch_size x rollout.n_samples_per_prompt"] = r.batch_size * r.n_samples_per_prompt

@@ -50,6 +50,8 @@ def accumulate_gradients(
 def rank_slice(batch: TrainBatch, rank: int, ranks: int) -> TrainBatch:
     """Data-parallel rank ``rank``'s contiguous share of ``batch`` (the batch must divide evenly, so every
     rank runs the same number of micro-batches and the collectives inside them stay in step)."""
+    if getattr(batch, "rank_local", False):  # a bus stream that reads only this rank's rows
+        return batch
     if len(batch) % ranks:
         raise ValueError(f"a batch of {len(batch)} samples does not divide over {ranks} data-parallel ranks")
     size = len(batch) // ranks
@@ -96,6 +98,10 @@ class TrainingBackend(abc.ABC):
 
         ``loss_fn`` is called per micro-batch and must return a loss already scaled for accumulation.
         """
+
+    def sum_over_ranks(self, values: list[float]) -> list[float]:
+        """Element-wise sum of ``values`` over the data-parallel ranks (collective); one rank: ``values``."""
+        return values
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply every accumulated gradient by ``factor`` (a streamed batch learns its loss denominator

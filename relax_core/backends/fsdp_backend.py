@@ -109,6 +109,11 @@ class FSDPBackend(TorchBackend):
         out.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
         return out
 
+    def sum_over_ranks(self, values: list[float]) -> list[float]:
+        summed = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed)
+        return summed.tolist()
+
     # ------------------------------------------------------------------ weights
     def iter_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """Gathered weights in HF names, one bucket at a time (collective): at most one bucket of full

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from relax_core.algorithms.objective import micro_batch_weight
-from relax_core.databus.base import DataBus, Fields, partition_name
+from relax_core.databus.base import DataBus, Fields, PartitionCancelled, partition_name
 from relax_core.databus.records import SAMPLE_FIELDS, batch_from_rows, per_sample
 from relax_core.samples import Sample, TrainBatch
 
@@ -88,7 +88,13 @@ class MicroStream:
     otherwise) because the batch total is unknown while it streams; after the last backward the gradients
     are divided by that total (``backend.scale_gradients``), which gives exactly the whole-batch gradient
     Σ_i (w_i / W) ∇ℓ_i.
+
+    Data-parallel ranks each stream their own ``keys`` (``rank_local``: the backend does not slice again),
+    and W is summed over them. Before each micro-batch the ranks agree that none of them saw the partition
+    cancelled, so they stop together instead of one rank waiting in a collective for another that left.
     """
+
+    rank_local = True
 
     def __init__(
         self,
@@ -118,20 +124,30 @@ class MicroStream:
     def __iter__(self) -> Iterator[TrainBatch]:
         remaining = list(self.keys)
         while remaining:
-            want, pending = min(self.size, len(remaining)), set(remaining)
-            t, delay = time.perf_counter(), 0.002
-            while True:
-                ready = [k for k in self.bus.ready(self.part, self.need) if k in pending]
-                if len(ready) >= want:
-                    break
-                time.sleep(delay)
-                delay = min(delay * 1.5, 0.05)
+            t = time.perf_counter()
+            rows = self._next_rows(min(self.size, len(remaining)), set(remaining))
+            (cancelled_ranks,) = self.backend.sum_over_ranks([float(rows is None)])
+            if cancelled_ranks:
+                raise PartitionCancelled(self.part)
             self.wait_s += time.perf_counter() - t
-            chosen = ready[:want]
+            chosen, fields = rows
             remaining = [k for k in remaining if k not in set(chosen)]
-            micro = batch_from_rows(self.bus.get(self.part, chosen, self.need), self.pad, self.extras)
+            micro = batch_from_rows(fields, self.pad, self.extras)
             self.total_weight += micro_batch_weight(micro, 1.0, 1, self.algo)
             self.versions += micro.policy_versions.tolist()
             yield micro
-        # the denominator the whole-batch micro_batch_weight uses
+        # the denominator the whole-batch micro_batch_weight uses, over every rank's rows
+        (self.total_weight,) = self.backend.sum_over_ranks([self.total_weight])
         self.backend.scale_gradients(1.0 / max(self.total_weight, 1.0))
+
+    def _next_rows(self, want: int, pending: set[str]) -> tuple[list[str], Fields] | None:
+        """``want`` rows of ``pending`` once that many are ready (keys, fields); None if the partition was
+        cancelled meanwhile."""
+        delay = 0.002
+        try:
+            while len(ready := [k for k in self.bus.ready(self.part, self.need) if k in pending]) < want:
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.05)
+            return ready[:want], self.bus.get(self.part, ready[:want], self.need)
+        except PartitionCancelled:
+            return None

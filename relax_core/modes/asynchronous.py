@@ -40,7 +40,7 @@ from relax_core.databus.records import SAMPLE_FIELDS
 from relax_core.errors import RelaxUserError
 from relax_core.health import ACTOR_FAILURES, GlobalRestartNeeded
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics, split_evenly
-from relax_core.placement import reserve
+from relax_core.placement import actor_world_size, rank_envs, reserve
 from relax_core.ray_groups import RoleGroup
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
@@ -88,6 +88,7 @@ class Schedule:
     training: int | None = None
     roll: dict[str, Any] = field(default_factory=dict)  # the step being generated: free slots, rounds, parts
     kinds: dict[ray.ObjectRef, tuple[str, int]] = field(default_factory=dict)
+    train_peers: list[ray.ObjectRef] = field(default_factory=list)  # Actor ranks 1.. of the step in training
     stage_busy: dict[str, int | None] = field(init=False)
     stage_next: dict[str, int] = field(init=False)
     sync_queue: deque[int] = field(default_factory=deque)
@@ -146,13 +147,14 @@ class AsyncMode(Mode):
     def _check_resources(self) -> None:
         r, t, m, needs = self.cfg.rollout, self.cfg.trainer, self.cfg.mode, self.ctx.needs
         helpers = 1 + len(needs.model_roles)
-        need = r.num_cpus * r.num_engines + t.num_cpus + m.aux_num_cpus * helpers
+        world = actor_world_size(t)
+        need = r.num_cpus * r.num_engines + t.num_cpus * world + m.aux_num_cpus * helpers
         need += BUS_CPUS + (2.0 if m.databus == "transferqueue" else 0.0)
         have = ray.cluster_resources().get("CPU", 0.0)
         if need > have + 1e-9:
             raise RelaxUserError(
                 f"mode=async needs {need:g} logical CPUs in Ray (rollout {r.num_cpus}x{r.num_engines}, actor "
-                f"{t.num_cpus}, helpers {m.aux_num_cpus} each{', TransferQueue 2' if m.databus == 'transferqueue' else ''}) "
+                f"{t.num_cpus}x{world}, helpers {m.aux_num_cpus} each{', TransferQueue 2' if m.databus == 'transferqueue' else ''}) "
                 f"but the cluster has {have:g}: raise cluster.num_cpus or lower rollout.num_cpus/trainer.num_cpus/mode.aux_num_cpus"
             )
 
@@ -174,7 +176,9 @@ class AsyncMode(Mode):
             pass_replica=True,
             **on_bus,
         )
-        self._group(Actor, "actor", 1, t.num_cpus, t.num_gpus, (cfg, path), **on_bus)
+        world = actor_world_size(t)  # FSDP data-parallel ranks, each streaming its share of a step
+        ranks = {"pass_replica": True, "env_vars": rank_envs(world)}
+        self._group(Actor, "actor", world, t.num_cpus, t.num_gpus, (cfg, path), **ranks, **on_bus)
         aux_cpu, aux_gpu = m.aux_num_cpus, t.num_gpus
         inputs = needs.advantage_inputs
         self._group(
@@ -370,8 +374,9 @@ class AsyncMode(Mode):
         s = st.trained + 1
         if st.training is None and s <= total and s < st.next_roll and not self._holds(st, s):
             need, extras = list(SAMPLE_FIELDS) + list(needs.train_fields), list(needs.train_fields)
-            actor = self.roles.actor.actors[0]
-            st.kinds[actor.train_from_bus.remote(s, self.step_samples, need, extras)] = ("train", s)
+            first, *others = self.roles.actor.call("train_from_bus", s, self.step_samples, need, extras)
+            st.kinds[first] = ("train", s)  # rank 0's metrics are the step's; the others are awaited with it
+            st.train_peers = others
             st.training = s
             st.info[s]["train_launch"] = time.perf_counter()
         # 6. wait for anything to finish
@@ -401,6 +406,7 @@ class AsyncMode(Mode):
             st.stage_busy[kind] = None
             st.info[s]["stages"] |= value
         elif kind == "train":
+            ray.get(st.train_peers)  # every rank is done (their collectives ran in step with rank 0)
             if value.get("cancelled"):
                 if value["optimizer_steps"]:  # the Actor's state moved: only a checkpoint is consistent
                     raise GlobalRestartNeeded(f"actor-0 stopped inside step {s} after an optimizer update")

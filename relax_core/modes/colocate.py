@@ -19,7 +19,7 @@ from ray.util.placement_group import remove_placement_group
 from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynamic_sampling, critic_warming_up
 from relax_core.algorithms.spec import needs_old_logprobs
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
-from relax_core.placement import actor_world_size, rank_env, reserve
+from relax_core.placement import actor_world_size, rank_envs, reserve
 from relax_core.ray_groups import RoleGroup, SharedProcesses
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
@@ -29,7 +29,6 @@ from relax_core.roles.teacher import Teacher
 from relax_core.rollout_pool import RolloutPool
 from relax_core.samples import PromptRecord, Sample, TrainBatch
 from relax_core.weight_transfer import WeightTransfer, choose_strategy
-from relax_models.ports import free_port
 
 log = logging.getLogger("relax")
 
@@ -111,8 +110,7 @@ class ColocateMode(Mode):
         """``world`` processes of ``role`` in bundles 0..world-1; several form one gloo/NCCL group on
         127.0.0.1 (FSDP data-parallel or megatron model-parallel ranks)."""
         t = self.cfg.trainer
-        port = free_port() if world > 1 else 0
-        env_vars = [rank_env(i, world, port) for i in range(world)] if world > 1 else None
+        env_vars = rank_envs(world)
         return RoleGroup(
             role,
             name,

@@ -7,6 +7,7 @@ import dataclasses
 import time
 
 import torch
+import torch.distributed as dist
 
 from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, critic_warming_up
 from relax_core.algorithms.masked import masked_mean
@@ -14,6 +15,7 @@ from relax_core.algorithms.objective import micro_batch_weight, policy_objective
 from relax_core.backends import build_backend
 from relax_core.databus import DataBus, PartitionCancelled, partition_name, sample_key
 from relax_core.databus.stages import MicroStream, score_stage
+from relax_core.placement import data_parallel_size
 from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
 from relax_core.weight_transfer import WeightReceiver, WeightSource
@@ -52,7 +54,7 @@ class Actor(WeightSource, WeightReceiver):
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
         self.algo = effective_algorithm(cfg)
-        self.rank = replica
+        self.rank, self.ranks = replica, data_parallel_size(cfg.trainer)
         self.bus = bus
         self.pad = load_tokenizer(model_path).pad_token_id if bus is not None else 0
         self.backend = build_backend(
@@ -118,7 +120,10 @@ class Actor(WeightSource, WeightReceiver):
 
     def train_from_bus(self, step: int, total: int, need: list[str], extras: list[str]) -> dict[str, float]:
         """mode=async: :meth:`train` on step ``step``'s rows as they land on the bus (micro-batches stream
-        into the backend as soon as their fields are ready); then keeps version ``step`` to publish."""
+        into the backend as soon as their fields are ready); then keeps version ``step`` to publish.
+
+        Data-parallel ranks each stream their contiguous share of every optimizer batch, as
+        :func:`~relax_core.backends.base.rank_slice` gives it in colocate."""
         algo, trainer = self.algo, self.cfg.trainer
         if critic_warming_up(algo, step):  # PPO: the policy waits for the critic, version ``step`` = step−1
             self.weights_snapshot(step)
@@ -132,8 +137,9 @@ class Actor(WeightSource, WeightReceiver):
         try:
             for epoch in range(algo.ppo_epochs):
                 for start in range(0, total, global_size):
-                    batch = keys[start : start + global_size]
-                    stream = MicroStream(self.bus, self.pad, part, batch, need, extras, algo, self.backend)
+                    share = min(global_size, total - start) // self.ranks
+                    mine = keys[start + self.rank * share : start + (self.rank + 1) * share]
+                    stream = MicroStream(self.bus, self.pad, part, mine, need, extras, algo, self.backend)
                     out = self.backend.train_step(stream, self._streamed_loss, trainer.micro_batch_size)
                     out["loss"] = out["loss"] / max(stream.total_weight, 1.0)
                     for k, v in out.items():
@@ -146,10 +152,18 @@ class Actor(WeightSource, WeightReceiver):
             return {"cancelled": 1.0, "optimizer_steps": float(updates)}
         self.weights_snapshot(step)
         metrics = {k: v / updates for k, v in sums.items()} | {"optimizer_steps": float(updates)}
-        metrics |= staleness_metrics(versions, step - 1)
+        metrics |= staleness_metrics(self._from_every_rank(versions), step - 1)
         metrics["time/actor_data_wait_s"] = wait_s
         metrics["time/actor_busy_s"] = time.perf_counter() - t0 - wait_s
         return metrics
+
+    def _from_every_rank(self, values: list[int]) -> list[int]:
+        """Every data-parallel rank's ``values``, concatenated (collective)."""
+        if self.ranks == 1:
+            return values
+        gathered: list[list[int]] = [[] for _ in range(self.ranks)]
+        dist.all_gather_object(gathered, values)
+        return [v for part in gathered for v in part]
 
     def _streamed_loss(self, micro: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor):
         """The objective of one streamed micro-batch, un-normalised (:class:`MicroStream` scales the

@@ -71,11 +71,21 @@ def test_distillation_run_shards_the_teacher_next_to_the_actor_ranks(tmp_path: P
     assert [r["step"] for r in _metrics(run) if "reward/mean" in r] == [1, 2]
 
 
+# 4 steps on 2 FSDP ranks, checkpointed every 2: the uninterrupted run the tests below compare against
+STRAIGHT_RUN = [*TINY_FSDP_RUN, "trainer.total_steps=4", "trainer.save_every=2", "seed=5"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("fsdp") / "straight"
+    assert _launch(run, STRAIGHT_RUN)["status"] == "finished"
+    return run
+
+
 @pytest.mark.slow
-def test_two_fsdp_ranks_resume_from_a_sharded_checkpoint_like_the_uninterrupted_run(tmp_path: Path) -> None:
-    common = [*TINY_FSDP_RUN, "trainer.total_steps=4"]
-    straight = tmp_path / "straight"
-    assert _launch(straight, [*common, "trainer.save_every=2"])["status"] == "finished"
+def test_two_fsdp_ranks_resume_from_a_sharded_checkpoint_like_the_uninterrupted_run(
+    straight: Path, tmp_path: Path
+) -> None:
     ckpt = straight / "checkpoints" / "step_000002"
     actor = ckpt / "actor"
     assert sorted(p.name for p in actor.glob("fsdp_rank*.pt")) == RANK_FILES
@@ -85,7 +95,7 @@ def test_two_fsdp_ranks_resume_from_a_sharded_checkpoint_like_the_uninterrupted_
     # the resumed run also offloads the Actor between phases (trainer.offload): on the CPU the calls run
     # and change nothing, so its rewards must still equal the uninterrupted run's, bit for bit
     resumed = tmp_path / "resumed"
-    overrides = [*common, f"trainer.resume={ckpt}", "trainer.offload=true"]
+    overrides = [*STRAIGHT_RUN, f"trainer.resume={ckpt}", "trainer.offload=true"]
     assert _launch(resumed, overrides)["status"] == "finished"
     straight_rewards, resumed_rewards = _rewards(straight), _rewards(resumed)
     assert sorted(straight_rewards) == [1, 2, 3, 4]
@@ -98,6 +108,28 @@ def test_two_fsdp_ranks_resume_from_a_sharded_checkpoint_like_the_uninterrupted_
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(resumed / "final_model")
+
+
+@pytest.mark.slow
+def test_async_fsdp_ranks_at_staleness_zero_take_the_colocate_steps(straight: Path, tmp_path: Path) -> None:
+    """mode=async with 2 FSDP Actor ranks: each streams its share of a step's rows from the bus. At
+    max_staleness=0 nothing is stale, so the run must take colocate's steps (same seed, same ranks), and it
+    checkpoints in shards like colocate."""
+    run = tmp_path / "async"
+    summary = _launch(run, [*STRAIGHT_RUN, "mode=async", "mode.max_staleness=0"])
+    assert summary["status"] == "finished"
+    assert "actorx2" in (run / "cli.log").read_text()
+    actor = run / "checkpoints" / "step_000004" / "actor"
+    assert sorted(p.name for p in actor.glob("fsdp_rank*.pt")) == RANK_FILES
+    steps = [r for r in _metrics(run) if "reward/mean" in r]
+    reference = {r["step"]: r for r in _metrics(straight) if "reward/mean" in r}
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for row in steps:
+        same = reference[row["step"]]
+        assert row["staleness/max"] == 0
+        assert row["reward/mean"] == pytest.approx(same["reward/mean"], abs=1e-6)
+        assert row["loss"] == pytest.approx(same["loss"], rel=1e-4, abs=1e-6)
+        assert row["grad_norm"] == pytest.approx(same["grad_norm"], rel=1e-4)
 
 
 # the shortest budget with margin on the default task with 2 FSDP ranks (seed 1, deterministic): 200 steps
@@ -137,7 +169,6 @@ def _compose(overrides: list[str]):
             r"trainer.global_batch_size=30 does not divide over 4",
         ),
         (["trainer=fsdp", "trainer.sft_batch_size=63"], r"trainer.sft_batch_size=63 does not divide over 2"),
-        (["trainer=fsdp", "mode=async"], r"started by mode=colocate only"),
         (["trainer.offload=true", "mode=async"], r"trainer.offload frees the device between colocate phases"),
     ],
 )
