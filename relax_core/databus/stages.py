@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from relax_core.algorithms.objective import micro_batch_weight
 from relax_core.databus.base import DataBus, Fields, PartitionCancelled, partition_name
@@ -39,25 +40,44 @@ def stream_stage(
     fn: Callable[[list[str], Fields], Fields],
     whole_step: bool = False,
     group_size: int = 0,
+    sharded: bool = False,
 ) -> float:
     """Process every row of step ``step`` once: wait for rows with ``need``, ``fn(keys, rows)`` -> new
     fields, write them, mark the rows consumed by ``task``. ``group_size``: only whole prompt groups.
-    Returns the seconds spent waiting."""
+    Returns the seconds spent waiting.
+
+    ``sharded``: this process is one rank of an FSDP group whose ``fn`` is collective. Rank 0 picks the
+    rows and tells the others (or that the step was cancelled, so that no rank is left waiting in a
+    collective); every rank runs ``fn`` on them; rank 0 writes the result."""
     part, done, waited = partition_name(step), 0, 0.0
+    leader = not sharded or dist.get_rank() == 0
     while done < total:
         t = time.perf_counter()
-        keys = bus.wait_ready(part, need, task, min_count=(total - done) if whole_step else 1)
-        keys = keys if whole_step else keys[:chunk]
-        if group_size:
-            keys = complete_groups(keys, group_size)
-            if not keys:  # a group is still being written
-                time.sleep(0.005)
-                continue
+        keys: list[str] | None = None
+        if leader:
+            try:
+                keys = bus.wait_ready(part, need, task, min_count=(total - done) if whole_step else 1)
+                keys = keys if whole_step else keys[:chunk]
+                keys = complete_groups(keys, group_size) if group_size else keys
+            except PartitionCancelled:
+                if not sharded:
+                    raise
+        if sharded:
+            box = [keys]
+            dist.broadcast_object_list(box, src=0)
+            if (keys := box[0]) is None:
+                raise PartitionCancelled(part)
+        if not keys:  # a group is still being written
+            time.sleep(0.005)
+            continue
         waited += time.perf_counter() - t
         fields = fn(keys, bus.get(part, keys, need))
-        bus.put(part, keys, fields)
-        bus.consume(part, keys, task)
+        if leader:
+            bus.put(part, keys, fields)
+            bus.consume(part, keys, task)
         done += len(keys)
+    if sharded:  # every rank may read what rank 0 wrote once this returns
+        dist.barrier()
     return waited
 
 
@@ -71,13 +91,16 @@ def score_stage(
     chunk: int,
     score: Callable[[TrainBatch], torch.Tensor],
 ) -> dict[str, float]:
-    """Stream step ``step``'s rows through ``score(batch) -> [B, R]`` into the per-token ``field``."""
+    """Stream step ``step``'s rows through ``score(batch) -> [B, R]`` into the per-token ``field``; a role
+    whose model is FSDP-sharded over several processes scores collectively (:func:`stream_stage`)."""
 
     def fn(keys: list[str], rows: Fields) -> Fields:
         batch = batch_from_rows(rows, pad_token_id)
         return {field: per_sample(score(batch), batch)}
 
-    return {f"time/{task}_wait_s": stream_stage(bus, step, total, SAMPLE_FIELDS, task, chunk, fn)}
+    sharded = dist.is_initialized() and dist.get_world_size() > 1
+    waited = stream_stage(bus, step, total, SAMPLE_FIELDS, task, chunk, fn, sharded=sharded)
+    return {f"time/{task}_wait_s": waited}
 
 
 class MicroStream:

@@ -88,7 +88,8 @@ class Schedule:
     training: int | None = None
     roll: dict[str, Any] = field(default_factory=dict)  # the step being generated: free slots, rounds, parts
     kinds: dict[ray.ObjectRef, tuple[str, int]] = field(default_factory=dict)
-    train_peers: list[ray.ObjectRef] = field(default_factory=list)  # Actor ranks 1.. of the step in training
+    # an FSDP-sharded group's call: rank 0's ref (in ``kinds``, its result is the group's) -> ranks 1..'s
+    peers: dict[ray.ObjectRef, list[ray.ObjectRef]] = field(default_factory=dict)
     stage_busy: dict[str, int | None] = field(init=False)
     stage_next: dict[str, int] = field(init=False)
     sync_queue: deque[int] = field(default_factory=deque)
@@ -108,6 +109,7 @@ class Schedule:
         """Nothing in flight; the next step to generate and train is ``trained + 1``."""
         self.next_roll, self.rolling, self.training, self.roll = self.trained + 1, None, None, {}
         self.kinds.clear()
+        self.peers.clear()
         self.stage_busy = dict.fromkeys(self.stages)
         self.stage_next = dict.fromkeys(self.stages, self.trained + 1)
         self.sync_queue.clear()
@@ -144,9 +146,15 @@ class AsyncMode(Mode):
         setattr(self.roles, name, group)
         return group
 
+    def _helper_ranks(self) -> int:
+        """Processes of each model role besides the Actor: with FSDP they are sharded like the Actor (as
+        many ranks, each role a process group of its own), else one."""
+        t = self.cfg.trainer
+        return actor_world_size(t) if t.backend == "torch" and t.fsdp else 1
+
     def _check_resources(self) -> None:
         r, t, m, needs = self.cfg.rollout, self.cfg.trainer, self.cfg.mode, self.ctx.needs
-        helpers = 1 + len(needs.model_roles)
+        helpers = 1 + len(needs.model_roles) * self._helper_ranks()
         world = actor_world_size(t)
         need = r.num_cpus * r.num_engines + t.num_cpus * world + m.aux_num_cpus * helpers
         need += BUS_CPUS + (2.0 if m.databus == "transferqueue" else 0.0)
@@ -189,14 +197,27 @@ class AsyncMode(Mode):
             0.0,
             (cfg, self.bus, pad, inputs, needs.group_local),
         )
-        if needs.actor_fwd:
-            self._group(Actor, "actor_fwd", 1, aux_cpu, aux_gpu, (cfg, path), **on_bus)
-        if needs.reference:
-            self._group(Reference, "reference", 1, aux_cpu, aux_gpu, (cfg, path), **on_bus)
-        if needs.critic:
-            self._group(Critic, "critic", 1, aux_cpu, aux_gpu, (cfg, path), **on_bus)
-        if needs.teacher:
-            self._group(Teacher, "teacher", 1, aux_cpu, aux_gpu, (cfg, self.ctx.teacher_path), **on_bus)
+        helpers = {
+            "actor_fwd": (Actor, path),  # an Actor shards by itself when its trainer does
+            "reference": (Reference, path),
+            "critic": (Critic, path),
+            "teacher": (Teacher, self.ctx.teacher_path),
+        }
+        replicas = self._helper_ranks()
+        for name in needs.model_roles:
+            role, model = helpers[name]
+            kwargs = {"bus": self.bus} | ({} if role is Actor else {"sharded": replicas > 1})
+            self._group(
+                role,
+                name,
+                replicas,
+                aux_cpu,
+                aux_gpu,
+                (cfg, model),
+                env_vars=rank_envs(replicas),
+                pass_replica=role is Actor,
+                kwargs=kwargs,
+            )
         self._connect_weights()
         log.info(
             "async roles up: %s | databus=%s (%.1f s) | max_staleness=%d | ActorFwd %s | weight transfer: %s",
@@ -368,15 +389,15 @@ class AsyncMode(Mode):
                 continue
             if name == "critic" and self._holds(st, s):
                 continue
-            st.kinds[groups[name].actors[0].process.remote(s, self.step_samples)] = (name, s)
+            self._launch(st, groups[name], "process", (name, s), s, self.step_samples)
             st.stage_busy[name], st.stage_next[name] = s, s + 1
         # 5. the Actor trains the oldest unconsumed step as its rows stream in
         s = st.trained + 1
         if st.training is None and s <= total and s < st.next_roll and not self._holds(st, s):
             need, extras = list(SAMPLE_FIELDS) + list(needs.train_fields), list(needs.train_fields)
-            first, *others = self.roles.actor.call("train_from_bus", s, self.step_samples, need, extras)
-            st.kinds[first] = ("train", s)  # rank 0's metrics are the step's; the others are awaited with it
-            st.train_peers = others
+            self._launch(
+                st, self.roles.actor, "train_from_bus", ("train", s), s, self.step_samples, need, extras
+            )
             st.training = s
             st.info[s]["train_launch"] = time.perf_counter()
         # 6. wait for anything to finish
@@ -385,8 +406,20 @@ class AsyncMode(Mode):
             kind, s = st.kinds.pop(ref)
             self._take(st, kind, s, ref, ray.get(ref))  # ray.get re-raises a role's error here
 
+    @staticmethod
+    def _launch(st: Schedule, group: RoleGroup, method: str, kind: tuple[str, int], *args: Any) -> None:
+        """Call ``method`` on every rank of ``group`` and track the call as ``kind`` (rank 0's result); the
+        other ranks' calls are watched too, so that one failing alone is seen while rank 0 still waits."""
+        first, *others = group.call(method, *args)
+        st.kinds[first] = kind
+        st.kinds |= dict.fromkeys(others, ("peer", kind[1]))
+        st.peers[first] = others
+
     def _take(self, st: Schedule, kind: str, s: int, ref: ray.ObjectRef, value: Any) -> None:
         """Book the result ``value`` of a finished ``kind`` task of step ``s``."""
+        ray.get(st.peers.pop(ref, []))  # every rank is done (their collectives ran in step with rank 0)
+        if kind == "peer":
+            return
         if kind == "rollout":
             roll = st.roll
             roll["pending"].discard(ref)
@@ -406,7 +439,6 @@ class AsyncMode(Mode):
             st.stage_busy[kind] = None
             st.info[s]["stages"] |= value
         elif kind == "train":
-            ray.get(st.train_peers)  # every rank is done (their collectives ran in step with rank 0)
             if value.get("cancelled"):
                 if value["optimizer_steps"]:  # the Actor's state moved: only a checkpoint is consistent
                     raise GlobalRestartNeeded(f"actor-0 stopped inside step {s} after an optimizer update")
@@ -503,6 +535,7 @@ class AsyncMode(Mode):
                 del st.kinds[ref]
                 self._take(st, kind, s, ref, value)
         st.kinds.clear()
+        st.peers.clear()
         s = st.rolling
         if s is not None and s <= st.trained:  # the Actor finished the step the engines were producing
             st.info[s] |= {"rollout": st.roll["parts"], "rounds": st.roll["round"]}
