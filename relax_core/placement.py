@@ -67,6 +67,13 @@ def actor_world_size(trainer_cfg: Any) -> int:
     return int(trainer_cfg.dp_size)
 
 
+def helper_ranks(trainer_cfg: Any) -> int:
+    """Processes of each model role besides the Actor (ActorFwd, Reference, Critic, Teacher): with FSDP
+    they are sharded like the Actor, as many ranks in a process group of their own; else one."""
+    fsdp = trainer_cfg.backend == "torch" and trainer_cfg.fsdp
+    return actor_world_size(trainer_cfg) if fsdp else 1
+
+
 def rank_env(rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1") -> dict[str, str]:
     """The ``torch.distributed`` environment of Actor rank ``rank`` (torchrun's names).
 

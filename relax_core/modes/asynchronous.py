@@ -40,7 +40,7 @@ from relax_core.databus.records import SAMPLE_FIELDS
 from relax_core.errors import RelaxUserError
 from relax_core.health import ACTOR_FAILURES, GlobalRestartNeeded
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics, split_evenly
-from relax_core.placement import actor_world_size, rank_envs, reserve
+from relax_core.placement import actor_world_size, helper_ranks, rank_envs, reserve
 from relax_core.ray_groups import RoleGroup
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
@@ -146,15 +146,9 @@ class AsyncMode(Mode):
         setattr(self.roles, name, group)
         return group
 
-    def _helper_ranks(self) -> int:
-        """Processes of each model role besides the Actor: with FSDP they are sharded like the Actor (as
-        many ranks, each role a process group of its own), else one."""
-        t = self.cfg.trainer
-        return actor_world_size(t) if t.backend == "torch" and t.fsdp else 1
-
     def _check_resources(self) -> None:
         r, t, m, needs = self.cfg.rollout, self.cfg.trainer, self.cfg.mode, self.ctx.needs
-        helpers = 1 + len(needs.model_roles) * self._helper_ranks()
+        helpers = 1 + len(needs.model_roles) * helper_ranks(t)
         world = actor_world_size(t)
         need = r.num_cpus * r.num_engines + t.num_cpus * world + m.aux_num_cpus * helpers
         need += BUS_CPUS + (2.0 if m.databus == "transferqueue" else 0.0)
@@ -203,7 +197,7 @@ class AsyncMode(Mode):
             "critic": (Critic, path),
             "teacher": (Teacher, self.ctx.teacher_path),
         }
-        replicas = self._helper_ranks()
+        replicas = helper_ranks(t)
         for name in needs.model_roles:
             role, model = helpers[name]
             kwargs = {"bus": self.bus} | ({} if role is Actor else {"sharded": replicas > 1})

@@ -19,7 +19,7 @@ from ray.util.placement_group import remove_placement_group
 from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynamic_sampling, critic_warming_up
 from relax_core.algorithms.spec import needs_old_logprobs
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
-from relax_core.placement import actor_world_size, rank_envs, reserve
+from relax_core.placement import actor_world_size, helper_ranks, rank_envs, reserve
 from relax_core.ray_groups import RoleGroup, SharedProcesses
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
@@ -51,9 +51,7 @@ class ColocateMode(Mode):
         # each sits next to Actor rank i. They take turns with the Actor, so the model roles next to one
         # Actor rank split its trainer.num_cpus/num_gpus instead of reserving their own
         world = actor_world_size(t)
-        fsdp = t.backend == "torch" and t.fsdp and world > 1
-        sharded = set(needs.model_roles) if fsdp else set()
-        self.trainer_share = 1.0 / (1 + len(needs.model_roles))
+        sharded = set(needs.model_roles) if helper_ranks(t) > 1 else set()
         bundles = []
         for i in range(max(r.num_engines, world)):
             engines, trainers = int(i < r.num_engines), int(i < world)
@@ -110,7 +108,6 @@ class ColocateMode(Mode):
         """``world`` processes of ``role`` in bundles 0..world-1; several form one gloo/NCCL group on
         127.0.0.1 (FSDP data-parallel or megatron model-parallel ranks)."""
         t = self.cfg.trainer
-        env_vars = rank_envs(world)
         return RoleGroup(
             role,
             name,
@@ -120,14 +117,15 @@ class ColocateMode(Mode):
             self._share(t.num_cpus),
             self._share(t.num_gpus),
             args,
-            env_vars=env_vars,
+            env_vars=rank_envs(world),
             **options,
         )
 
     def _share(self, amount: float) -> float:
         """One model role's part of an Actor rank's ``amount``, rounded down to Ray's resource precision
         (1e-4) so that the parts never add up to more than the bundle holds."""
-        return math.floor(amount * self.trainer_share * 1e4) / 1e4
+        parts = 1 + len(self.ctx.needs.model_roles)
+        return math.floor(amount / parts * 1e4) / 1e4
 
     def _fuse(self) -> bool:
         """Whether the Actor and the rollout engine share one process (``mode.fuse_rollout``)."""
