@@ -2,6 +2,7 @@
 
     python benchmarks/vs_trl.py                       # 60 steps, seed 1
     python benchmarks/vs_trl.py --steps 150 --seeds 0,1,2 --plot docs/img/vs_trl.png
+    python benchmarks/vs_trl.py --steps 150 --seeds 0,1,2 --relax trainer.share_prompts=true
 
 TRL 1.16.0 goes into its own venv (``~/.cache/relax/trl-venv``, ``--trl-venv``; created once, ~1 min):
 it is a benchmark peer, never a Relax dependency. Its side runs this same file with ``--trl-worker``.
@@ -176,7 +177,9 @@ def build_inputs(folder: Path, seed: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- Relax side
-def run_relax(inputs: dict, steps: int, seed: int, out: Path, warmup: int, threads: int) -> dict:
+def run_relax(
+    inputs: dict, steps: int, seed: int, out: Path, warmup: int, threads: int, overrides: list[str]
+) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -204,6 +207,7 @@ def run_relax(inputs: dict, steps: int, seed: int, out: Path, warmup: int, threa
         "logger=jsonl",
         "logger.plot=false",
         f"hydra.run.dir={out}",
+        *overrides,
     ]
     code, wall, peak = run_measured(cmd, out.with_suffix(".log"), ENV)
     if code != 0:
@@ -452,6 +456,12 @@ def main() -> None:
     parser.add_argument("--trl-venv", type=Path, default=Path("~/.cache/relax/trl-venv").expanduser())
     parser.add_argument("--plot", type=Path, default=Path("outputs/vs_trl.png"))
     parser.add_argument("--out", type=Path, default=None, help="run folders (default: a temp dir)")
+    parser.add_argument(
+        "--relax",
+        nargs="*",
+        default=[],
+        help="extra overrides of the Relax run, e.g. trainer.share_prompts=true",
+    )
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
@@ -466,7 +476,7 @@ def main() -> None:
         for tool in tools:  # back to back, same inputs
             out = root / f"seed{seed}" / tool
             if tool == "relax":
-                result = run_relax(inputs, args.steps, seed, out, args.warmup, args.threads)
+                result = run_relax(inputs, args.steps, seed, out, args.warmup, args.threads, args.relax)
             else:
                 result = run_trl(python, inputs, args.steps, seed, out, args.warmup, args.threads)
             print(json.dumps(result), flush=True)

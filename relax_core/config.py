@@ -385,6 +385,11 @@ class TrainerConfig:
     # samples per optimizer step (null: the whole rollout batch, i.e. one step per rollout)
     global_batch_size: int | None = None
     micro_batch_size: int = 64
+    # torch backend: run each distinct prompt of a micro-batch through the model once and only the responses
+    # per sample (GRPO's n samples share one prompt). The same log-probs and gradients up to float rounding,
+    # ~30% less train time on the default task; off by default because its rounding differs from process
+    # to process (~1e-6), so runs of one seed are not bit-identical
+    share_prompts: bool = False
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])

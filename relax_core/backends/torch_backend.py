@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from relax_core.algorithms.logprobs import token_logprobs_and_entropy
+from relax_core.algorithms.logprobs import response_logprobs_and_entropy, token_logprobs_and_entropy
 from relax_core.backends.base import (
     LossFn,
     TrainingBackend,
@@ -18,6 +18,7 @@ from relax_core.backends.base import (
     pad_to_width,
 )
 from relax_core.backends.schedule import lr_multiplier
+from relax_core.backends.shared_prompts import shared_prompt_logits, shares_prompts
 from relax_core.multimodal import multimodal_model_inputs
 from relax_core.placement import role_device
 from relax_core.samples import TrainBatch
@@ -51,6 +52,10 @@ class TorchBackend(TrainingBackend):
         if trainable and model_cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.trainer_cfg = trainer_cfg
+        # the prompt pass hands its KV cache to the response pass; HF turns the cache off under checkpointing
+        self.share_prompts = trainer_cfg.share_prompts and not (
+            trainable and model_cfg.gradient_checkpointing
+        )
         self.optimizer = self.scheduler = None
         self._shard()
         if trainable:
@@ -107,9 +112,13 @@ class TorchBackend(TrainingBackend):
         # multimodal rows: pixel/audio tensors as forward kwargs; the model derives its M-RoPE positions
         # from input_ids + grids itself, so no position_ids are passed (right padding is fine)
         batch = batch_to_device(batch, self.device)
-        input_ids, mm = multimodal_model_inputs(self.family, self.model, batch)
-        logits = self.model(input_ids=input_ids, attention_mask=batch.attention_mask, **mm).logits
-        logprobs, entropy = token_logprobs_and_entropy(logits, batch, self.temperature)
+        if self.share_prompts and shares_prompts(batch):
+            logits = shared_prompt_logits(self.model, batch)
+            logprobs, entropy = response_logprobs_and_entropy(logits, batch, self.temperature)
+        else:
+            input_ids, mm = multimodal_model_inputs(self.family, self.model, batch)
+            logits = self.model(input_ids=input_ids, attention_mask=batch.attention_mask, **mm).logits
+            logprobs, entropy = token_logprobs_and_entropy(logits, batch, self.temperature)
         return logprobs.cpu(), entropy.cpu()  # the loss runs next to the batch's masks (CPU)
 
     @torch.no_grad()

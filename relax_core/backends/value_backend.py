@@ -75,6 +75,7 @@ class ValueHead:
             lr_warmup_steps=0,
             min_lr_ratio=1.0,
             total_steps=1,
+            share_prompts=False,  # values come from the value model's own forward
         )
         super().__init__(critic_cfg.model_path or model_path, optimizer_cfg, model_cfg)
 

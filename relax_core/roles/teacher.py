@@ -194,6 +194,7 @@ def train_task_teacher(teacher_cfg, data_cfg, seed: int, folder: Path) -> dict:
         lr_warmup_steps=0,
         min_lr_ratio=0.1,
         total_steps=steps,
+        share_prompts=False,  # supervised rows: one per prompt
     )
     model_cfg = SimpleNamespace(
         family="qwen3", dtype="float32", attn_implementation="sdpa", gradient_checkpointing=False

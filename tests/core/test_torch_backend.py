@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
 from relax_core.backends import build_backend
+from relax_core.backends.shared_prompts import distinct_prompts, shares_prompts
 from relax_core.backends.torch_backend import TorchBackend
 from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relax_core.errors import RelaxUserError
@@ -112,6 +113,53 @@ def test_forward_logprobs_independent_of_micro_batch_size(tiny_model_dir: Path, 
     pieces = backend.forward_logprobs(batch, micro_batch_size=2)
     assert whole.shape == pieces.shape == batch.loss_mask.shape
     assert torch.allclose(whole, pieces, atol=1e-5)
+
+
+def grpo_batch(tokenizer) -> TrainBatch:
+    """4 prompts of different lengths x 4 samples, responses of 1..7 tokens (one an observation token), in
+    shuffled row order, as GRPO's groups reach the Actor."""
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for g, text in enumerate(["sort 3:", "sort 91524:", "sort 407:", "sort 8812736:"]):
+        prompt = tokenizer(text, add_special_tokens=False).input_ids
+        for k in range(4):
+            r = 1 + (g * 4 + k) % 7
+            response = torch.randint(3, len(tokenizer), (r,), generator=gen).tolist()
+            mask = [1] * r
+            if r > 2 and k == 1:
+                mask[1] = 0
+            samples.append(Sample(g, k, prompt, response, [0.0] * r, mask, reward=float(k % 2)))
+    order = torch.randperm(len(samples), generator=gen).tolist()
+    batch = TrainBatch.from_samples([samples[i] for i in order], tokenizer.pad_token_id)
+    batch.extras["advantages"] = torch.linspace(-1.0, 1.2, len(batch)).unsqueeze(1) * batch.loss_mask
+    return batch
+
+
+@pytest.mark.parametrize("micro", [16, 5])
+def test_shared_prompts_give_the_plain_forwards_logprobs_and_gradients(
+    tiny_model_dir: Path, tokenizer, micro: int
+) -> None:
+    """trainer.share_prompts runs each distinct prompt once and the responses on its KV cache: log-probs,
+    entropy (at a rollout temperature), loss and every parameter gradient equal the plain forward's, also
+    when micro-batches cut groups apart."""
+    batch = grpo_batch(tokenizer)
+    assert shares_prompts(batch) and len(distinct_prompts(batch)[0]) == 4
+    assert not shares_prompts(make_batch(tokenizer))  # 7 distinct prompts in 7 rows: the plain forward
+    algo = AlgorithmConfig(entropy_coef=0.01)
+    backends = {}
+    for share in (False, True):
+        cfg = replace(TRAINER, share_prompts=share)
+        backends[share] = TorchBackend(str(tiny_model_dir), cfg, ModelConfig(), temperature=0.7)
+    with torch.no_grad():
+        plain, shared = (backends[s]._logprobs_entropy(batch) for s in (False, True))
+    assert torch.allclose(shared[0], plain[0], atol=1e-5) and torch.allclose(shared[1], plain[1], atol=1e-5)
+    assert plain[0].abs().sum() > 0
+    m_plain, m_shared = (objective_step(backends[s], batch, algo, micro) for s in (False, True))
+    assert m_shared["loss"] == pytest.approx(m_plain["loss"], rel=1e-5)
+    assert m_shared["grad_norm"] == pytest.approx(m_plain["grad_norm"], rel=1e-4)
+    named = zip(backends[False].model.named_parameters(), backends[True].model.parameters(), strict=True)
+    for (name, p_plain), p_shared in named:
+        assert torch.allclose(p_shared.grad, p_plain.grad, atol=1e-6, rtol=1e-4), name
 
 
 def test_checkpoint_round_trip_restores_weights_and_optimizer(
