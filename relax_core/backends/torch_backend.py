@@ -18,7 +18,7 @@ from relax_core.backends.base import (
     pad_to_width,
 )
 from relax_core.backends.schedule import lr_multiplier
-from relax_core.backends.shared_prompts import shared_prompt_logits, shares_prompts
+from relax_core.backends.shared_prompts import prompt_groups, shared_prompt_logits
 from relax_core.multimodal import multimodal_model_inputs
 from relax_core.placement import role_device
 from relax_core.samples import TrainBatch
@@ -112,8 +112,9 @@ class TorchBackend(TrainingBackend):
         # multimodal rows: pixel/audio tensors as forward kwargs; the model derives its M-RoPE positions
         # from input_ids + grids itself, so no position_ids are passed (right padding is fine)
         batch = batch_to_device(batch, self.device)
-        if self.share_prompts and shares_prompts(batch):
-            logits = shared_prompt_logits(self.model, batch)
+        groups = prompt_groups(batch) if self.share_prompts else None
+        if groups is not None:
+            logits = shared_prompt_logits(self.model, batch, groups)
             logprobs, entropy = response_logprobs_and_entropy(logits, batch, self.temperature)
         else:
             input_ids, mm = multimodal_model_inputs(self.family, self.model, batch)

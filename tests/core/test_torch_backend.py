@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
 from relax_core.backends import build_backend
-from relax_core.backends.shared_prompts import distinct_prompts, shares_prompts
+from relax_core.backends.shared_prompts import prompt_groups
 from relax_core.backends.torch_backend import TorchBackend
 from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relax_core.errors import RelaxUserError
@@ -115,14 +115,14 @@ def test_forward_logprobs_independent_of_micro_batch_size(tiny_model_dir: Path, 
     assert torch.allclose(whole, pieces, atol=1e-5)
 
 
-def grpo_batch(tokenizer) -> TrainBatch:
-    """4 prompts of different lengths x 4 samples, responses of 1..7 tokens (one an observation token), in
-    shuffled row order, as GRPO's groups reach the Actor."""
+def grpo_batch(tokenizer, per_prompt: int = 4) -> TrainBatch:
+    """4 prompts of different lengths x ``per_prompt`` samples, responses of 1..7 tokens (one an observation
+    token), in shuffled row order, as GRPO's groups reach the Actor."""
     gen = torch.Generator().manual_seed(1)
     samples = []
     for g, text in enumerate(["sort 3:", "sort 91524:", "sort 407:", "sort 8812736:"]):
         prompt = tokenizer(text, add_special_tokens=False).input_ids
-        for k in range(4):
+        for k in range(per_prompt):
             r = 1 + (g * 4 + k) % 7
             response = torch.randint(3, len(tokenizer), (r,), generator=gen).tolist()
             mask = [1] * r
@@ -143,8 +143,9 @@ def test_shared_prompts_give_the_plain_forwards_logprobs_and_gradients(
     entropy (at a rollout temperature), loss and every parameter gradient equal the plain forward's, also
     when micro-batches cut groups apart."""
     batch = grpo_batch(tokenizer)
-    assert shares_prompts(batch) and len(distinct_prompts(batch)[0]) == 4
-    assert not shares_prompts(make_batch(tokenizer))  # 7 distinct prompts in 7 rows: the plain forward
+    groups = prompt_groups(batch)
+    assert groups is not None and len(groups[0]) == 4
+    assert prompt_groups(make_batch(tokenizer)) is None  # 7 distinct prompts in 7 rows: the plain forward
     algo = AlgorithmConfig(entropy_coef=0.01)
     backends = {}
     for share in (False, True):
@@ -160,6 +161,26 @@ def test_shared_prompts_give_the_plain_forwards_logprobs_and_gradients(
     named = zip(backends[False].model.named_parameters(), backends[True].model.parameters(), strict=True)
     for (name, p_plain), p_shared in named:
         assert torch.allclose(p_shared.grad, p_plain.grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_shared_prompts_gradients_are_bit_identical_call_to_call(tiny_model_dir: Path, tokenizer) -> None:
+    """With two torch threads the shared path's gradients repeat bit for bit, so runs of one seed do too.
+    (Copying the cache rows by advanced indexing did not: its backward sums a prompt's repeated rows in a
+    thread-dependent order.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        backend = TorchBackend(str(tiny_model_dir), replace(TRAINER, share_prompts=True), ModelConfig())
+        batch = grpo_batch(tokenizer, per_prompt=32)  # 128 rows, as a default step: enough to run in parallel
+        grads = []
+        for _ in range(6):
+            backend.model.zero_grad(set_to_none=True)
+            logprobs, _ = backend._logprobs_entropy(batch)
+            (logprobs * batch.extras["advantages"]).sum().backward()
+            grads.append(torch.cat([p.grad.flatten() for p in backend.model.parameters()]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(g, grads[0]) for g in grads[1:])
 
 
 def test_checkpoint_round_trip_restores_weights_and_optimizer(
