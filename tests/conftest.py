@@ -1,5 +1,5 @@
-"""Session-wide test setup: quiet, offline, single-threaded torch, and one tiny model folder (with its
-tokenizer and model) for everyone.
+"""Session-wide test setup: quiet, offline, single-threaded torch, Ctrl-C as in a terminal, and one tiny
+model folder (with its tokenizer and model) for everyone.
 
 Area-specific fixtures live in ``tests/<area>/conftest.py``; keep this file small. Tiny-model dimensions are
 in ``tests/tiny_dims.py``.
@@ -8,6 +8,7 @@ in ``tests/tiny_dims.py``.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 # the shared 2-core machine: one intra-op thread keeps tests from fighting each other
 torch.set_num_threads(1)
+# a session started in the background of a non-interactive shell (`cmd &`) inherits SIGINT ignored, and
+# so would every run it starts, which then never sees the Ctrl-C some tests send; a handled signal is back
+# at its default in each child
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -142,9 +142,12 @@ def resolve_threads(cfg) -> None:
     share the cores among themselves and so do the Actor's ranks; async runs them all at once."""
     cores = os.cpu_count() or 1
     engines, ranks = cfg.rollout.num_engines, actor_world_size(cfg.trainer)
-    at_once = (engines, ranks) if cfg.mode.name == "colocate" else (engines + ranks,) * 2
-    rollout, trainer = (max(1, cores // n) for n in at_once)
+    # processes computing while the engines generate / while the Actor's ranks train
+    if cfg.mode.name == "colocate":
+        generating, training = engines, ranks
+    else:
+        generating = training = engines + ranks
     if cfg.rollout.num_threads is None:
-        cfg.rollout.num_threads = rollout
+        cfg.rollout.num_threads = max(1, cores // generating)
     if cfg.trainer.num_threads is None:
-        cfg.trainer.num_threads = trainer
+        cfg.trainer.num_threads = max(1, cores // training)

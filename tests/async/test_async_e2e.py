@@ -12,7 +12,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from sigint import sigint_as_in_a_terminal
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +34,7 @@ ENV = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 def launch(out: Path, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "relax_launch", *SMALL, *overrides, f"hydra.run.dir={out}"]
-    return subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=ENV,
-        preexec_fn=sigint_as_in_a_terminal,  # one test stops its run with Ctrl-C
-    )
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:

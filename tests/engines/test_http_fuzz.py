@@ -14,7 +14,6 @@ import schemathesis
 from engine_helpers import make_engine
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
-from sigint import sigint_as_in_a_terminal
 
 from relax_core.agentic.server import AgentServer, TrajectoryStore, build_app
 from relax_core.control_plane import create_app as control_plane_app
@@ -155,7 +154,6 @@ def test_a_training_run_keeps_training_while_its_endpoints_are_fuzzed(tmp_path, 
         env={**__import__("os").environ, "PYTHONPATH": str(root)},
         stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / "job.log", "w"),  # noqa: SIM115
-        preexec_fn=sigint_as_in_a_terminal,  # stopped with Ctrl-C below
     )
 
     def steps() -> list[int]:
