@@ -2,7 +2,7 @@
 
     python benchmarks/vs_trl.py                       # 60 steps, seed 1
     python benchmarks/vs_trl.py --steps 150 --seeds 0,1,2 --plot docs/img/vs_trl.png
-    python benchmarks/vs_trl.py --steps 150 --seeds 0,1,2 --relax trainer.share_prompts=true
+    python benchmarks/vs_trl.py --steps 150 --seeds 0,1,2 --relax trainer.share_prompts=false  # the plain forward
 
 TRL 1.16.0 goes into its own venv (``~/.cache/relax/trl-venv``, ``--trl-venv``; created once, ~1 min):
 it is a benchmark peer, never a Relax dependency. Its side runs this same file with ``--trl-worker``.
@@ -460,7 +460,7 @@ def main() -> None:
         "--relax",
         nargs="*",
         default=[],
-        help="extra overrides of the Relax run, e.g. trainer.share_prompts=true",
+        help="extra overrides of the Relax run, e.g. trainer.share_prompts=false",
     )
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
