@@ -72,3 +72,41 @@ def test_async_run_survives_a_sigkill_of_every_role(tmp_path: Path) -> None:
     assert last["health/role_restarts"] >= 4  # rollout, Reference, ActorFwd, advantages
     assert last["health/global_restarts"] == 1  # the Actor: everything restarted from a checkpoint
     assert (run_dir / "final_model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "victim", "restart_counter"),
+    [
+        # the Critic's optimizer state lives only in its process: everything restarts from a checkpoint
+        (["algorithm=ppo"], "critic-0", "health/global_restarts"),
+        # a frozen Teacher is replaced in place
+        (["algorithm=opd", "algorithm.teacher.train_steps=10"], "teacher-0", "health/role_restarts"),
+    ],
+    ids=["critic", "teacher"],
+)
+def test_async_run_survives_a_sigkill_of_its_critic_or_teacher(
+    tmp_path: Path, algorithm: list[str], victim: str, restart_counter: str
+) -> None:
+    run_dir, total = tmp_path / "run", 8
+    overrides = [*TINY_RUN, "mode=async", "mode.max_staleness=1", f"trainer.total_steps={total}"]
+    overrides += [*algorithm, "trainer.save_every=2", "trainer.heartbeat_interval_s=1"]
+    if "algorithm=opd" in algorithm:
+        overrides.append(f"algorithm.teacher.cache_dir={tmp_path / 'teachers'}")
+    cfg = compose(overrides, run_dir)
+
+    def kill() -> None:
+        wait_for_step(run_dir, 3)
+        os.kill(actor_pid(victim), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    summary = run_experiment(cfg)
+    killer.join(timeout=5)
+
+    assert summary["status"] == "finished"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(total + 1))  # every step once, in order
+    steps = rows[1:]
+    assert [r["samples/trained"] for r in steps] == [s * STEP_SAMPLES for s in range(1, total + 1)]
+    assert steps[-1]["samples/generated"] == steps[-1]["samples/trained"] + steps[-1]["samples/regenerated"]
+    assert steps[-1][restart_counter] >= 1, steps[-1]
