@@ -3,6 +3,7 @@ retried a bounded number of times, then the run fails with one line naming the e
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -23,18 +24,29 @@ class Caller:
         return ray.get(other.ping.remote())
 
 
+def wait_until_dead(actor, polls: int = 600) -> None:
+    for _ in range(polls):
+        try:
+            ray.get(actor.ping.remote())
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("ray.kill did not take effect")
+
+
 def test_a_step_failing_without_a_dead_role_gives_up_naming_the_error(ray_cluster, tmp_path) -> None:
     callee, caller = Callee.remote(), Caller.remote()
     assert ray.get(caller.call.remote(callee)) == "pong"
     ray.kill(callee)  # every later call through the (alive) caller fails with ActorDiedError
+    wait_until_dead(callee)  # ray.kill is asynchronous: a call right after it may still be answered
     trainer = SimpleNamespace(heartbeat_interval_s=0, heartbeat_timeout_s=10, max_role_restarts=1)
     health = HealthManager(lambda: {}, trainer, 0, str(tmp_path), lambda *a: None)
     stream = SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None)
     attempts = []
 
-    def step(n: int) -> dict[str, float]:
+    def step(n: int) -> dict[str, str]:
         attempts.append(n)
-        return ray.get(caller.call.remote(callee))
+        return {"reply": ray.get(caller.call.remote(callee))}
 
     with pytest.raises(RunFailedError) as failed:
         health.run_step(7, step, stream)
