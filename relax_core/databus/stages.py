@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from ray.exceptions import RayActorError
 
 from relax_core.algorithms.objective import micro_batch_weight
 from relax_core.databus.base import DataBus, Fields, PartitionCancelled, partition_name
@@ -136,6 +137,7 @@ class MicroStream:
         self.total_weight = 0.0
         self.wait_s = 0.0
         self.versions: list[int] = []
+        self.bus_error: RayActorError | None = None
 
     def micro_batches(self, size: int) -> MicroStream:
         self.size = size
@@ -165,7 +167,7 @@ class MicroStream:
 
     def _next_rows(self, want: int, pending: set[str]) -> tuple[list[str], Fields] | None:
         """``want`` rows of ``pending`` once that many are ready (keys, fields); None if the partition was
-        cancelled meanwhile."""
+        cancelled meanwhile or the bus died (kept in ``bus_error``: every rank must stop together)."""
         delay = 0.002
         try:
             while len(ready := [k for k in self.bus.ready(self.part, self.need) if k in pending]) < want:
@@ -173,4 +175,7 @@ class MicroStream:
                 delay = min(delay * 1.5, 0.05)
             return ready[:want], self.bus.get(self.part, ready[:want], self.need)
         except PartitionCancelled:
+            return None
+        except RayActorError as err:
+            self.bus_error = err
             return None

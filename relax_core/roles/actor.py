@@ -149,6 +149,9 @@ class Actor(WeightSource, WeightReceiver):
                     if epoch == 0:
                         versions += stream.versions
         except PartitionCancelled:  # the step is being regenerated; the next train_step zeroes the gradients
+            if stream.bus_error is not None and not updates:
+                raise stream.bus_error from None  # nothing trained: the scheduler recovers and regenerates the step
+            # after an update the scheduler must know this step is half-trained (restart from a checkpoint)
             return {"cancelled": 1.0, "optimizer_steps": float(updates)}
         self.weights_snapshot(step)
         metrics = {k: v / updates for k, v in sums.items()} | {"optimizer_steps": float(updates)}

@@ -51,13 +51,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return out
 
 
+def recovered(row: dict) -> float:
+    return row.get("health/step_retries", 0) + row.get("health/global_restarts", 0)
+
+
 def wait_for_step(run_dir: Path, step: int, recoveries: int = 0, timeout_s: float = 600.0) -> None:
-    """Until step ``step`` is logged, by a row that counts at least ``recoveries`` recovered step failures
-    (``health/step_retries``): a fault injected after an earlier one then meets a run that has handled it."""
+    """Until step ``step`` is logged, by a row that counts at least ``recoveries`` recoveries (step retries
+    in place plus restarts from a checkpoint): a fault injected after an earlier one then meets a run that
+    has handled it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         rows = read_metrics(run_dir)
-        if any(r.get("step", -1) >= step and r.get("health/step_retries", 0) >= recoveries for r in rows):
+        if any(r.get("step", -1) >= step and recovered(r) >= recoveries for r in rows):
             return
         time.sleep(0.2)
     raise TimeoutError(
