@@ -1,6 +1,6 @@
 """Prompt datasets: generated task files and real JSONL/Parquet files go through one loader.
 
-Rows are read with Hugging Face ``datasets`` from local files; ``data.prompt_key`` / ``label_key`` /
+Rows are read from local JSON Lines or Parquet files; ``data.prompt_key`` / ``label_key`` /
 ``metadata_key`` name the columns (dots reach into nested objects, e.g. ``reward_model.ground_truth``).
 A prompt is a string or a list of chat messages; the tokenizer's chat template is applied when it has one.
 """
@@ -30,36 +30,39 @@ def dataset_paths(cfg, output_dir: str, seed: int) -> tuple[str, str | None]:
 
 
 def _read_rows(path: str) -> list[dict]:
+    """A file's rows: JSON Lines as written (a row lacking a column lacks its key), Parquet with every
+    column in every row (null where a row has no value).
+
+    JSON Lines are parsed with the standard library: Hugging Face ``datasets`` would pull pandas and pyarrow
+    (~80 MB) into the driver for a job of a few lines."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise RelaxUserError(f"dataset file {path!r} does not exist")
     suffix = file.suffix.lower()
     if suffix not in (".jsonl", ".json", ".parquet"):
         raise RelaxUserError(f"dataset file {path!r}: unsupported format {suffix!r} (use .jsonl or .parquet)")
-    if suffix in (".jsonl", ".json"):
-        # a line-by-line pass first, so a broken row is reported with its line number
-        lines = file.read_text().splitlines()
-        if not any(line.strip() for line in lines):
-            raise RelaxUserError(f"dataset file {path!r} has no rows")
-        for lineno, line in enumerate(lines, start=1):
-            if line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise RelaxUserError(
-                        f"dataset file {path!r}, line {lineno}: invalid JSON ({err.msg})"
-                    ) from None
-    import datasets
+    if suffix == ".parquet":
+        import pyarrow.parquet
 
-    datasets.disable_progress_bars()
-    try:
-        table = datasets.load_dataset(
-            "parquet" if suffix == ".parquet" else "json", data_files=str(file), split="train"
-        )
-    except Exception as err:  # noqa: BLE001  (pyarrow/datasets raise many types for one cause)
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise RelaxUserError(f"dataset file {path!r} cannot be read: {first_line}") from None
-    rows = table.to_list()
+        try:
+            rows = pyarrow.parquet.read_table(file).to_pylist()
+        except Exception as err:  # noqa: BLE001  (pyarrow raises many types for one cause)
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise RelaxUserError(f"dataset file {path!r} cannot be read: {first_line}") from None
+    else:
+        rows = []
+        for lineno, line in enumerate(file.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise RelaxUserError(
+                    f"dataset file {path!r}, line {lineno}: invalid JSON ({err.msg})"
+                ) from None
+            if not isinstance(row, dict):
+                raise RelaxUserError(f"dataset file {path!r}, line {lineno}: a row must be a JSON object")
+            rows.append(row)
     if not rows:
         raise RelaxUserError(f"dataset file {path!r} has no rows")
     return rows
@@ -131,7 +134,7 @@ def load_prompts(path: str, cfg, tokenizer, media=None) -> tuple[list[PromptReco
     for index, row in enumerate(_read_rows(path)):
         try:
             prompt = get_field(row, cfg.prompt_key)
-            if prompt is None:  # JSON rows lacking a column that others have come back as null
+            if prompt is None:  # a Parquet row without a value, or an explicit null
                 raise KeyError(cfg.prompt_key)
             row_items = None
             if media is not None:
