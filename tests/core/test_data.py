@@ -131,6 +131,12 @@ def test_bad_json_line_names_file_and_line(tmp_path: Path, tokenizer) -> None:
     assert "\n" not in str(err.value)
 
 
+def test_a_json_line_that_is_not_an_object_names_file_and_line(tmp_path: Path, tokenizer) -> None:
+    path = write_jsonl(tmp_path / "list.jsonl", [ROWS[0], '["sort 1:", "1"]'])
+    with pytest.raises(RelaxUserError, match=r"list\.jsonl.*line 2: a row must be a JSON object"):
+        load_prompts(str(path), cfg(), tokenizer)
+
+
 def test_missing_prompt_column_names_file_and_row(tmp_path: Path, tokenizer) -> None:
     path = write_jsonl(tmp_path / "cols.jsonl", [ROWS[0], {"question": "sort 7:", "label": "7"}, ROWS[1]])
     with pytest.raises(RelaxUserError, match=r"cols\.jsonl.*row 1: missing column 'prompt'") as err:
