@@ -1,21 +1,23 @@
 """Relax colocate vs TRL's GRPOTrainer on the same work, back to back: speed, memory, learning.
 
-    python benchmarks/vs_trl.py                       # 60 steps, seed 1
+    python benchmarks/vs_trl.py                       # 60 steps, seed 1, Relax on Ray and in one process
     python benchmarks/vs_trl.py --steps 150 --seeds 0,1,2 --plot docs/img/vs_trl.png
     python benchmarks/vs_trl.py --steps 150 --seeds 0,1,2 --relax trainer.share_prompts=false  # the plain forward
 
 TRL 1.16.0 goes into its own venv (``~/.cache/relax/trl-venv``, ``--trl-venv``; created once, ~1 min):
 it is a benchmark peer, never a Relax dependency. Its side runs this same file with ``--trl-worker``.
 
-Same work for both, per seed: one tiny random-init Qwen3 folder (the default experiment's shape, hidden 128,
-4 layers, ~0.8M parameters, built by ``relax_models.tiny`` with the seed), the default digits task
-(``sort 31524:`` -> ``12345``, per-position partial credit, train/eval files written once), 16 prompts x 8
-samples per step, <= 8 new tokens, temperature 1, lr 1e-3 with linear decay to 0 and no warm-up (TRL's
-default; ``trainer.lr_decay=linear trainer.min_lr_ratio=0`` in Relax), AdamW betas (0.9, 0.99), no weight
-decay, grad-norm clip 1, pure RL GRPO (no warm-start, no KL, no entropy bonus), one optimizer step per
-rollout batch, 2 torch threads. Relax runs ``python -m relax_launch`` (colocate, torch engine, Ray);
-TRL runs ``GRPOTrainer`` (HF ``generate()`` in the training process). Prompt order differs (each tool's
-own sampler), so reward curves match in distribution, not step by step.
+Same work for both, per seed: one tiny random-init Qwen3 folder (the default experiment's shape, hidden 128, 4
+layers, ~0.8M parameters, built by ``relax_models.tiny`` with the seed), the default digits task (``sort
+31524:`` -> ``12345``, per-position partial credit, train/eval files written once), 16 prompts x 8 samples per
+step, <= 8 new tokens, temperature 1, lr 1e-3 with linear decay to 0 and no warm-up (TRL's default;
+``trainer.lr_decay=linear trainer.min_lr_ratio=0`` in Relax), AdamW betas (0.9, 0.99), no weight decay,
+grad-norm clip 1, pure RL GRPO (no warm-start, no KL, no entropy bonus), one optimizer step per rollout batch,
+2 torch threads, fp32 (TRL's ``bf16`` default is turned off). Relax runs ``python -m relax_launch`` (colocate,
+torch engine) twice: ``relax`` on Ray (``cluster=local``: a Ray node, the driver and one worker holding Actor
+and engine) and ``relax_in_process`` (``cluster=in_process``: no Ray, every role in the launcher's process);
+TRL runs ``GRPOTrainer`` (HF ``generate()`` in the training process). Prompt order differs (each tool's own
+sampler), so reward curves match in distribution, not step by step.
 
 One JSON line per (tool, seed):
 
@@ -31,7 +33,7 @@ One JSON line per (tool, seed):
 * ``rewards``: mean train reward per step; ``eval_reward`` / ``eval_accuracy``: greedy decoding of the 128
   eval prompts after the last step (reward and exact-match share).
 
-Then one ``summary`` line per tool (means over seeds) and ``relax_vs_trl`` (Relax / TRL s/step ratio).
+Then one ``summary`` line per tool (means over seeds) and ``<relax tool>_vs_trl`` (Relax / TRL ratios).
 
 Objective audit (TRL 1.16.0 ``trl/trainer/grpo_trainer.py`` and ``grpo_config.py`` read in its venv, against
 Relax's ``relax_core.algorithms``), at the settings above:
@@ -177,13 +179,18 @@ def build_inputs(folder: Path, seed: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- Relax side
+# Relax's launchers the benchmark compares, by tool name
+RELAX_CLUSTERS = {"relax": "local", "relax_in_process": "in_process"}
+
+
 def run_relax(
-    inputs: dict, steps: int, seed: int, out: Path, warmup: int, threads: int, overrides: list[str]
+    tool: str, inputs: dict, steps: int, seed: int, out: Path, warmup: int, threads: int, overrides: list[str]
 ) -> dict:
     cmd = [
         sys.executable,
         "-m",
         "relax_launch",
+        f"cluster={RELAX_CLUSTERS[tool]}",
         f"seed={seed}",
         f"model.path={inputs['model']}",
         f"data.train_path={inputs['train']}",
@@ -211,12 +218,12 @@ def run_relax(
     ]
     code, wall, peak = run_measured(cmd, out.with_suffix(".log"), ENV)
     if code != 0:
-        return {"tool": "relax", "seed": seed, "error": out.with_suffix(".log").read_text()[-3000:]}
+        return {"tool": tool, "seed": seed, "error": out.with_suffix(".log").read_text()[-3000:]}
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rl = [r for r in rows if r["step"] > 0]
     last = rl[-1]
     return {
-        "tool": "relax",
+        "tool": tool,
         "seed": seed,
         "steps": len(rl),
         "s_per_step": round(median_after([r["step_time_s"] for r in rl], warmup), 4),
@@ -339,6 +346,7 @@ def trl_worker(spec_path: str) -> None:
         weight_decay=0.0,
         max_grad_norm=1.0,
         beta=0.0,
+        bf16=False,  # fp32 like Relax here: TRL's default bf16 autocast is emulated (~8x slower) without AVX-512
         gradient_checkpointing=False,
         logging_steps=1,
         save_strategy="no",
@@ -394,11 +402,19 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    colors = {"relax": "tab:blue", "trl": "tab:orange"}
-    for r in results:
-        if "rewards" not in r:
-            continue
-        label = f"{r['tool']} seed {r['seed']} (eval {r['eval_reward']:.2f}, {r['s_per_step']:.3f} s/step)"
+    colors = {"relax": "tab:blue", "relax_in_process": "tab:green", "trl": "tab:orange"}
+    lines = {(r["tool"], r["seed"]): r for r in results if "rewards" in r}
+    for (tool, seed), r in list(lines.items()):
+        on_ray = lines.get(("relax", seed))
+        if tool == "relax_in_process" and on_ray is not None and on_ray["rewards"] == r["rewards"]:
+            del lines[("relax", seed)]  # the same curve: one line names both launchers
+            lines[(tool, seed)] = r | {
+                "label": "relax = relax_in_process",
+                "s": f"{on_ray['s_per_step']:.3f} / ",
+            }
+    for r in lines.values():
+        speed = f"{r.get('s', '')}{r['s_per_step']:.3f} s/step"
+        label = f"{r.get('label', r['tool'])} seed {r['seed']} (eval {r['eval_reward']:.2f}, {speed})"
         styles = ["-", "--", ":", "-."]
         ax.plot(
             range(1, len(r["rewards"]) + 1),
@@ -431,18 +447,19 @@ def summarize(results: list[dict]) -> list[dict]:
         for tool, runs in by_tool.items()
     }
     lines = [{"summary": tool, "seeds": [r["seed"] for r in by_tool[tool]]} | m for tool, m in means.items()]
-    if {"relax", "trl"} <= means.keys():
-        relax, trl = means["relax"], means["trl"]
-        ratios = {
-            f"{k}_ratio": round(relax[k] / trl[k], 3)
-            for k in ("s_per_step", "train_s_per_step", "peak_rss_mb")
-        }
-        lines.append(
-            {
-                "relax_vs_trl": ratios
-                | {"eval_reward_diff": round(relax["eval_reward"] - trl["eval_reward"], 4)}
+    for tool in RELAX_CLUSTERS:
+        if {tool, "trl"} <= means.keys():
+            relax, trl = means[tool], means["trl"]
+            ratios = {
+                f"{k}_ratio": round(relax[k] / trl[k], 3)
+                for k in ("s_per_step", "train_s_per_step", "peak_rss_mb")
             }
-        )
+            lines.append(
+                {
+                    f"{tool}_vs_trl": ratios
+                    | {"eval_reward_diff": round(relax["eval_reward"] - trl["eval_reward"], 4)}
+                }
+            )
     return lines
 
 
@@ -451,7 +468,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seeds", default="1", help="comma-separated, e.g. 0,1,2")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median step time")
-    parser.add_argument("--tools", default="relax,trl")
+    parser.add_argument("--tools", default="relax,relax_in_process,trl")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each tool (and Relax role)")
     parser.add_argument("--trl-venv", type=Path, default=Path("~/.cache/relax/trl-venv").expanduser())
     parser.add_argument("--plot", type=Path, default=Path("outputs/vs_trl.png"))
@@ -475,8 +492,8 @@ def main() -> None:
         inputs = build_inputs(root / f"seed{seed}", seed)
         for tool in tools:  # back to back, same inputs
             out = root / f"seed{seed}" / tool
-            if tool == "relax":
-                result = run_relax(inputs, args.steps, seed, out, args.warmup, args.threads, args.relax)
+            if tool in RELAX_CLUSTERS:
+                result = run_relax(tool, inputs, args.steps, seed, out, args.warmup, args.threads, args.relax)
             else:
                 result = run_trl(python, inputs, args.steps, seed, out, args.warmup, args.threads)
             print(json.dumps(result), flush=True)

@@ -172,7 +172,7 @@ def save_run(roles, manager: CheckpointManager, step: int, driver: dict[str, Any
     """Checkpoint every stateful piece of a run after ``step``: the Actor (model, optimizer, scheduler,
     RNG), the Critic and the Reference's weights when there are, each rollout engine's sampling RNG, and ``driver`` — the run
     loop's own state (data position, metrics history, health counters, mode state)."""
-    import ray
+    from relax_core import handles
 
     def write(tmp: Path) -> dict[str, Any]:
         trainers = roles.actor.call("save_checkpoint", str(tmp / "actor"))
@@ -180,11 +180,11 @@ def save_run(roles, manager: CheckpointManager, step: int, driver: dict[str, Any
             trainers += roles.critic.call("save_checkpoint", str(tmp / "critic"))
         if roles.reference is not None:  # the warm-started (or last updated) policy, not the Actor's
             trainers += roles.reference.call("save_checkpoint", str(tmp / "reference"))
-        rng_states = ray.get(roles.rollout.call("rng_state"))
+        rng_states = handles.get(roles.rollout.call("rng_state"))
         for i, state in enumerate(rng_states):
             save_torch(state, tmp / f"rollout_{i}.pt")
         save_torch({"step": step, **driver}, tmp / "driver.pt")
-        ray.get(trainers)
+        handles.get(trainers)
         return {"rollout_replicas": len(rng_states)}
 
     path = manager.save(step, write)
@@ -196,7 +196,7 @@ def restore_run(roles, path: str | os.PathLike, publish: Callable[[int], None]) 
     """Load a checkpoint written by :func:`save_run` into freshly started ``roles``; ``publish(step)`` then
     gives every weight consumer the restored policy, and the rollout engines get their RNG states back.
     Returns the driver state for the run loop to restore."""
-    import ray
+    from relax_core import handles
 
     path = Path(path)
     driver = load_torch(path / "driver.pt")
@@ -206,14 +206,14 @@ def restore_run(roles, path: str | os.PathLike, publish: Callable[[int], None]) 
         refs += roles.critic.call("load_checkpoint", str(path / "critic"))
     if roles.reference is not None and (path / "reference").is_dir():
         refs += roles.reference.call("load_checkpoint", str(path / "reference"))
-    ray.get(refs)
+    handles.get(refs)
     publish(step)
     refs = []
     for i, actor in enumerate(roles.rollout.actors):
         f = path / f"rollout_{i}.pt"
         if f.is_file():  # a run resumed with more engines: the extra ones keep their fresh seeds
             refs.append(actor.set_rng_state.remote(load_torch(f)))
-    ray.get(refs)
+    handles.get(refs)
     log.info("resumed from %s (step %d)", path, step)
     return driver
 

@@ -205,6 +205,14 @@ class LocalClusterConfig(ClusterConfig):
 
 
 @dataclass
+class InProcessClusterConfig(ClusterConfig):
+    """``cluster=in_process``: no Ray; every role an object in this process (colocate, one engine, one
+    Actor rank). The smallest footprint on a laptop; nothing restarts a role in place."""
+
+    name: str = "in_process"
+
+
+@dataclass
 class RayClusterConfig(ClusterConfig):
     """``cluster=ray``: attach to a running Ray cluster."""
 

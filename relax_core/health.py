@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ray
 from ray.exceptions import GetTimeoutError, RayActorError, WorkerCrashedError
 
+from relax_core import handles
 from relax_core.ray_groups import RoleGroup
 
 log = logging.getLogger("relax")
@@ -122,13 +122,13 @@ class HealthManager:
         with self._lock:
             targets = [(name, i, a) for name, g in self.groups().items() for i, a in enumerate(g.actors)]
         refs = {a.__ray_ready__.remote(): (name, i) for name, i, a in targets}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=max(self.interval, 1.0))
+        ready, _ = handles.wait(list(refs), num_returns=len(refs), timeout=max(self.interval, 1.0))
         status: dict[tuple[str, int], str] = {}
         now = time.monotonic()
         for ref in ready:
             key = refs[ref]
             try:
-                ray.get(ref)
+                handles.get(ref)
                 status[key] = "ok"
                 with self._lock:
                     self._last_seen[key] = now
@@ -155,7 +155,7 @@ class HealthManager:
         dead = []
         for name, i, actor in targets:
             try:
-                ray.get(actor.__ray_ready__.remote(), timeout=max(self.timeout, 10.0))
+                handles.get(actor.__ray_ready__.remote(), timeout=max(self.timeout, 10.0))
             except (*ACTOR_FAILURES, GetTimeoutError):
                 dead.append((name, i))
         return dead
@@ -231,7 +231,7 @@ class HealthManager:
                 self._last_seen[(name, i)] = time.monotonic()
             self.counters.role_restarts += 1
             self._event("restart", name, i, f"restart {groups[name].restarts[i]} in place")
-        ray.get([groups[n].actors[i].__ray_ready__.remote() for n, i in dead])  # constructed and alive
+        handles.get([groups[n].actors[i].__ray_ready__.remote() for n, i in dead])  # constructed and alive
         for name, i in dead:
             self.on_replaced(name, i, groups[name].actors[i])
         return dead

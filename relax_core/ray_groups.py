@@ -3,6 +3,9 @@
 Several groups can also share processes (:class:`SharedProcesses`): replica i of each of them is an object
 of its own role class inside one Ray actor, reached through a :class:`RoleHandle` that is called like an
 actor handle. Colocate uses it to run the Actor and its rollout engine in one process.
+
+Without a placement group (``cluster=in_process``, no Ray) a group's replicas are objects in this process
+behind :class:`~relax_core.handles.InProcessActor` handles.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from relax_core import handles
+
 # role methods that must reach a replica while another call keeps it busy (abort a generation, check it)
 CONTROL_METHODS = frozenset({"health", "abort"})
 
 
 class RoleGroup:
-    """``replicas`` Ray actors of ``role_cls``; replica i lives in bundle ``bundles[i]`` of ``pg``.
+    """``replicas`` Ray actors of ``role_cls``; replica i lives in bundle ``bundles[i]`` of ``pg`` (``pg``
+    None: objects in this process).
 
     The role class itself knows nothing about Ray: its constructor gets ``*args`` and ``replica=i``
     when it accepts it, and every method is called through :meth:`call`.
@@ -31,7 +37,7 @@ class RoleGroup:
         role_cls: type,
         name: str,
         replicas: int,
-        pg: PlacementGroup,
+        pg: PlacementGroup | None,
         bundles: list[int],
         num_cpus: float,
         num_gpus: float,
@@ -52,6 +58,10 @@ class RoleGroup:
         self.shared = shared
 
         def spawn(i: int, attempt: int = 0):
+            if pg is None:
+                return handles.InProcessActor(
+                    role_cls(*args, **(kwargs or {}), **({"replica": i} if pass_replica else {}))
+                )
             if shared is not None:
                 role_kwargs = (kwargs or {}) | ({"replica": i} if pass_replica else {})
                 env = env_vars[i] if env_vars else {}
@@ -101,7 +111,7 @@ class RoleGroup:
         For groups whose replicas run collectives together (megatron TP ranks): waiting on every rank
         surfaces any rank's error and keeps the next call from overlapping this one on a slow rank.
         """
-        return ray.get(self.call(method, *args, **kwargs))[0]
+        return handles.get(self.call(method, *args, **kwargs))[0]
 
     def call_each(self, method: str, per_replica_args: list[tuple]) -> list[ray.ObjectRef]:
         """Call ``method`` on replica i with ``per_replica_args[i]``."""
@@ -115,14 +125,14 @@ class RoleGroup:
 
     def kill_replica(self, i: int) -> None:
         """Kill the process of replica ``i`` (a shared process takes its other roles with it)."""
-        ray.kill(self.shared.host(i) if self.shared is not None else self.actors[i], no_restart=True)
+        handles.kill(self.shared.host(i) if self.shared is not None else self.actors[i])
 
     def kill(self) -> None:
         if self.shared is not None:
             self.shared.kill()
             return
         for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+            handles.kill(actor)
 
 
 @dataclass

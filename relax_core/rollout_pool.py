@@ -30,6 +30,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup
 
+from relax_core import handles
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.engines.router import Router
 from relax_core.ray_groups import RoleGroup, SharedProcesses
@@ -202,7 +203,7 @@ class RolloutPool(RoleGroup):
         member = self.members.get(key)
         if member is None:
             return False
-        return bool(ray.get(self._handle(member).health.remote(), timeout=timeout))
+        return bool(handles.get(self._handle(member).health.remote(), timeout=timeout))
 
     def check_health(self) -> dict[str, bool]:
         """Probe every member: failing ones stop being routed to, recovered ones are routed to again."""
@@ -240,14 +241,14 @@ class RolloutPool(RoleGroup):
                     refs[ref] = (member, idxs)
             todo = []
             while refs:
-                ready, _ = ray.wait(list(refs), num_returns=1)
+                ready, _ = handles.wait(list(refs), num_returns=1)
                 for ref in ready:
                     member, idxs = refs.pop(ref)
                     self.router.release(member.id, n * len(idxs))
                     with self.lock:
                         member.inflight -= len(idxs)
                     try:
-                        out = ray.get(ref)
+                        out = handles.get(ref)
                     except Exception as err:  # engine died or its server failed: route elsewhere
                         log.warning(
                             "rollout engine %s failed (%s); re-routing %d prompts", member.id, err, len(idxs)
@@ -303,7 +304,7 @@ class RolloutPool(RoleGroup):
             todo = []
             for key, (member, ref) in refs.items():
                 try:
-                    out = ray.get(ref)
+                    out = handles.get(ref)
                 except Exception as err:  # engine died or its server failed: route elsewhere
                     log.warning(
                         "rollout engine %s failed (%s); re-routing %d requests", key, err, len(chunks[key])
@@ -341,7 +342,7 @@ class RolloutPool(RoleGroup):
     def _disk_folder(self, version: int) -> str:
         """The weights of ``version`` as an HF folder under the run dir (external engines load it by path)."""
         if self._disk_path is None or self._disk_path[0] != version:
-            state = ray.get(self.transfer.source.call("state_dict"))[0]  # collective on sharded Actors
+            state = handles.get(self.transfer.source.call("state_dict"))[0]  # collective on sharded Actors
             self._disk_path = (version, self._disk.send(state, version))
         return self._disk_path[1]
 
@@ -361,14 +362,14 @@ class RolloutPool(RoleGroup):
         with self.weights_lock:
             t = time.perf_counter()
             self._version = version
-            ray.get(
+            handles.get(
                 self.transfer.publish_refs(version)
             )  # launch engines: a failure goes to the HealthManager
             with self.lock:
                 members = [m for m in self.members.values() if m.kind != "launch"]
             for member, ref in self._sync_refs(members):
                 try:
-                    ray.get(ref)
+                    handles.get(ref)
                 except Exception:
                     log.warning("weight push to %s failed; it stops serving until healthy", member.id)
                     self.router.mark_unhealthy(member.id)
@@ -456,11 +457,11 @@ class RolloutPool(RoleGroup):
             pending = {m.handle.__ray_ready__.remote(): m for m in created}
             ready_members, failed = [], []
             while pending and not req.cancel_requested and time.monotonic() < deadline:
-                done, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
+                done, _ = handles.wait(list(pending), num_returns=1, timeout=0.2)
                 for ref in done:
                     m = pending.pop(ref)
                     try:
-                        ray.get(ref)
+                        handles.get(ref)
                         ready_members.append(m)
                     except Exception as err:
                         failed.append(m)
@@ -477,7 +478,7 @@ class RolloutPool(RoleGroup):
             for m in ready_members:
                 try:
                     left = max(deadline - time.monotonic(), 1.0)
-                    if ray.get(m.handle.health.remote(), timeout=left):
+                    if handles.get(m.handle.health.remote(), timeout=left):
                         healthy.append(m)
                         continue
                     req.errors.append(f"{m.url or m.id}: health check failed")
@@ -490,7 +491,7 @@ class RolloutPool(RoleGroup):
                 if self._version is not None:
                     for m, ref in self._sync_refs(healthy):
                         try:
-                            ray.get(ref)
+                            handles.get(ref)
                             synced.append(m)
                         except Exception as err:
                             req.errors.append(f"{m.url or m.id}: weight sync failed: {err}")
@@ -530,11 +531,11 @@ class RolloutPool(RoleGroup):
     def _kill(self, members: list[Member]) -> None:
         for m in members:
             try:
-                ray.get(m.handle.shutdown.remote(), timeout=10)
+                handles.get(m.handle.shutdown.remote(), timeout=10)
             except Exception:
                 pass
             try:
-                ray.kill(m.handle, no_restart=True)
+                handles.kill(m.handle)
             except Exception:
                 pass
 
@@ -633,7 +634,7 @@ class RolloutPool(RoleGroup):
             self.members = {k: m for k, m in self.members.items() if m.kind == "launch"}
         for m in extra:
             try:
-                ray.kill(m.handle, no_restart=True)
+                handles.kill(m.handle)
             except Exception:
                 pass
         super().kill()

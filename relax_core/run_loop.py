@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import ray
-
+from relax_core import handles
 from relax_core.algorithms.spec import requirements
 from relax_core.checkpoint import (
     STOP_REQUEST,
@@ -118,10 +117,10 @@ class RunLoop:
                 log.info("warm-start %d/%d | nll %.4f", i + 1, t.sft_warmup_steps, m["loss"])
         roles.actor.call_collective("end_warm_start")
         if roles.reference is not None or roles.critic is not None:
-            weights = ray.put(roles.actor.call_collective("state_dict"))
+            weights = handles.put(roles.actor.call_collective("state_dict"))
             refs = roles.reference.call("load_weights", weights, 0) if roles.reference is not None else []
             refs += roles.critic.call("load_trunk", weights) if roles.critic is not None else []
-            ray.get(refs)
+            handles.get(refs)
             self.keep_reference_copy()
         self.mode.publish(0)
 
@@ -129,7 +128,7 @@ class RunLoop:
         """The Reference's weights (warm-started or restored) on disk, for a Reference restarted in place."""
         if self.mode.roles.reference is not None:
             path = f"{self.cfg.output_dir}/reference_weights"
-            ray.get(self.mode.roles.reference.call("save_checkpoint", path))
+            handles.get(self.mode.roles.reference.call("save_checkpoint", path))
             self.mode.reference_copy = path
 
     def start_control_plane(self):

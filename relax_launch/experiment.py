@@ -33,6 +33,10 @@ QUIET_ENV = {
 }
 
 
+# what a finished run leaves in its run dir, as the last log line lists it (the loggers pick some)
+OUTPUTS = ("metrics.jsonl", "reward_curve.png", "mlflow.db", "tensorboard", "final_model", "config.yaml")
+
+
 def quiet_third_parties() -> None:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
@@ -93,4 +97,6 @@ def report(summary: Summary | None) -> None:
         fmt(summary["eval_accuracy_start"]),
         fmt(summary["eval_accuracy_final"]),
     )
-    log.info("outputs: %s (metrics.jsonl, reward_curve.png, mlflow.db, config.yaml)", summary["output_dir"])
+    out = summary["output_dir"]
+    written = [name for name in OUTPUTS if os.path.exists(os.path.join(out, name))]
+    log.info("outputs: %s (%s)", out, ", ".join(written))

@@ -92,9 +92,9 @@ class Mode(abc.ABC):
         """A replica of ``role`` was restarted in place: bring it to the weights it held (modes add the
         policy followers)."""
         if role == "reference" and self.reference_copy is not None:
-            import ray
+            from relax_core import handles
 
-            ray.get(handle.load_checkpoint.remote(self.reference_copy))
+            handles.get(handle.load_checkpoint.remote(self.reference_copy))
 
     def stream_state(self) -> dict[str, Any]:
         """Data position a checkpoint after the last yielded step resumes from (async modes have drawn the

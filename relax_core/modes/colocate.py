@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import ray
 from ray.util.placement_group import remove_placement_group
 
+from relax_core import handles
 from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynamic_sampling, critic_warming_up
 from relax_core.algorithms.spec import needs_old_logprobs
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
@@ -59,7 +59,8 @@ class ColocateMode(Mode):
             bundles.append(
                 {"CPU": engines * r.num_cpus + trainers * t.num_cpus} | ({"GPU": gpu} if gpu else {})
             )
-        self.pg = reserve(bundles, "relax-colocate")
+        # cluster=in_process: no Ray, every role an object in this process (relax_core/handles.py)
+        self.pg = None if cfg.cluster.name == "in_process" else reserve(bundles, "relax-colocate")
         shared = SharedProcesses(self.pg, "actor-rollout", ["actor", "rollout"]) if self._fuse() else None
         actor_args = (cfg, self.ctx.model_path)
         self.roles.actor = self._ranks(Actor, "actor", actor_args, world, pass_replica=True, shared=shared)
@@ -74,7 +75,7 @@ class ColocateMode(Mode):
         for name in needs.model_roles:
             role, path = helper_roles[name]
             setattr(self.roles, name, self._helper_group(role, name, path, name in sharded, world))
-        layout = ray.get(self.roles.actor.call("weights_layout"))[0]  # collective on sharded Actors
+        layout = handles.get(self.roles.actor.call("weights_layout"))[0]  # collective on sharded Actors
         strategy = choose_strategy(
             cfg.weight_transfer.name, "colocate", self.roles.actor, pool.actors, layout
         )
@@ -132,6 +133,7 @@ class ColocateMode(Mode):
         r, t = self.cfg.rollout, self.cfg.trainer
         return (
             self.cfg.mode.fuse_rollout
+            and self.pg is not None  # in_process: every role shares this process already
             and actor_world_size(t) == 1
             and r.num_engines == 1
             and r.engine == "torch"
@@ -156,7 +158,7 @@ class ColocateMode(Mode):
         super().replaced(role, index, handle)
         if role == "rollout":  # the new engine serves the current policy
             self.transfer.replace("policy", index, handle)
-            ray.get(self.transfer.deliver(handle))
+            handles.get(self.transfer.deliver(handle))
 
     # ------------------------------------------------------------------ weights and generation
     def publish(self, version: int) -> None:
@@ -194,7 +196,7 @@ class ColocateMode(Mode):
         if roles.teacher is not None:
             refs["teacher_logprobs"] = roles.teacher.call("compute_log_probs", batch)
         for key, per_rank in refs.items():
-            batch.extras[key] = ray.get(per_rank)[0]
+            batch.extras[key] = handles.get(per_rank)[0]
 
     def update(self, batch: TrainBatch) -> StepMetrics:
         """Stage 4 — Critic on the GAE returns (PPO), then the Actor's optimizer step(s); the actor waits

@@ -11,6 +11,7 @@ from typing import Any
 
 import ray
 
+from relax_core import handles
 from relax_core.weight_transfer.base import TransferStats, WeightReceiver, WeightSource
 from relax_core.weight_transfer.channel import Layout, layout_of, plan_buckets
 
@@ -45,7 +46,7 @@ class WeightTransfer:
     def layout(self) -> Layout:
         if self._layout is None:
             # gathering the weights is collective on sharded (FSDP / megatron) Actors: every rank takes part
-            self._layout = ray.get(self.source.call("weights_layout"))[0]
+            self._layout = handles.get(self.source.call("weights_layout"))[0]
         return self._layout
 
     def _spec(self, name: str, members: int) -> Any:
@@ -59,7 +60,7 @@ class WeightTransfer:
 
             from relax_core.weight_transfer.collective import SyncSpec
 
-            host, port = ray.get(self.source.actors[0].free_address.remote())
+            host, port = handles.get(self.source.actors[0].free_address.remote())
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             return SyncSpec(name, host, port, members + 1, self.layout, self.bucket_mb, backend)
         if self.strategy == "in_process":
@@ -78,10 +79,10 @@ class WeightTransfer:
         key = f"{self.strategy}:{name}"
         refs = [self.source.actors[0].source_connect.remote(key, self.strategy, spec)]
         if self.strategy != "collective":  # the others need the source's end in place first
-            ray.get(refs)
+            handles.get(refs)
             refs = []
         refs += [c.weights_connect.remote(key, self.strategy, spec, i + 1) for i, c in enumerate(consumers)]
-        ray.get(refs, timeout=300)
+        handles.get(refs, timeout=300)
         self.sets[name] = list(consumers)
 
     def replace(self, name: str, index: int, consumer: Any) -> None:
@@ -89,7 +90,7 @@ class WeightTransfer:
         if self.strategy == "collective":
             raise RuntimeError("a broadcast group's members are fixed; it cannot take a restarted replica")
         key = f"{self.strategy}:{name}"
-        ray.get(consumer.weights_connect.remote(key, self.strategy, self._spec(name, 0), index + 1))
+        handles.get(consumer.weights_connect.remote(key, self.strategy, self._spec(name, 0), index + 1))
         self.sets[name][index] = consumer
 
     def snapshot(self, version: int) -> list[ray.ObjectRef]:
@@ -116,13 +117,13 @@ class WeightTransfer:
         """Publish ``version`` to the sets ``names`` and wait until every consumer has loaded it."""
         t = time.perf_counter()
         refs = self.publish_refs(version, names)
-        ray.get(refs)
+        handles.get(refs)
         self.finished(version, time.perf_counter() - t)
         return self.stats
 
     def finished(self, version: int, seconds: float) -> None:
         """Record the stats of a publish whose refs have all completed."""
-        sent = ray.get(self._sent_bytes) if self._sent_bytes is not None else 0
+        sent = handles.get(self._sent_bytes) if self._sent_bytes is not None else 0
         self.stats = TransferStats(version, int(sent), seconds)
 
     def deliver(self, consumer: Any, version: int | None = None) -> ray.ObjectRef:
@@ -136,7 +137,7 @@ class WeightTransfer:
             return consumer.weights_receive.remote(None, weights, v)
         v, payload = self._latest
         key = f"{self.strategy}:policy"
-        ray.get(consumer.weights_connect.remote(key, self.strategy, self._spec("policy", 0), 1))
+        handles.get(consumer.weights_connect.remote(key, self.strategy, self._spec("policy", 0), 1))
         return consumer.weights_receive.remote(key, payload, v)
 
     def _channel_reaches(self, consumer: Any) -> bool:
@@ -166,16 +167,19 @@ def choose_strategy(configured: str, mode: str, source, consumers: list[Any], la
         return "in_process"
     from relax_core.weight_transfer.shared_memory import shared_memory_fits
 
-    nodes = ray.get([c.node_id.remote() for c in [source.actors[0], *consumers]])
+    nodes = handles.get([c.node_id.remote() for c in [source.actors[0], *consumers]])
     if len(set(nodes)) == 1 and shared_memory_fits(layout, copies=2):
         return "shared_memory"
     return "collective" if mode == "async" else "object_store"
 
 
 def same_process(a: Any, b: Any) -> bool:
-    """Whether two role handles reach roles sharing one process (:class:`~relax_core.ray_groups.RoleHandle`)."""
+    """Whether two role handles reach roles sharing one process: the roles of one Ray actor
+    (:class:`~relax_core.ray_groups.RoleHandle`), or objects in this process (``cluster=in_process``)."""
     from relax_core.ray_groups import RoleHandle
 
+    if isinstance(a, handles.InProcessActor) and isinstance(b, handles.InProcessActor):
+        return True
     return isinstance(a, RoleHandle) and isinstance(b, RoleHandle) and (a.shared, a.i) == (b.shared, b.i)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from relax_core.config import ClusterConfig
 from relax_core.errors import RelaxUserError
 from relax_launch.cluster.base import ClusterLauncher
+from relax_launch.cluster.in_process import SingleProcessLauncher
 from relax_launch.cluster.local import LocalLauncher
 from relax_launch.cluster.ray_cluster import RayLauncher
 from relax_launch.cluster.slurm_allocation import SlurmAllocationLauncher
@@ -16,6 +17,7 @@ from relax_launch.cluster.slurm_submit import SlurmSubmitLauncher
 
 LAUNCHERS: dict[str, type[ClusterLauncher]] = {
     "local": LocalLauncher,
+    "in_process": SingleProcessLauncher,
     "ray": RayLauncher,
     "slurm": SlurmSubmitLauncher,
     "slurm_allocation": SlurmAllocationLauncher,

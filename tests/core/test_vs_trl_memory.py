@@ -50,8 +50,15 @@ def test_summary_ratios_are_relax_over_trl() -> None:
         }
 
     lines = vs_trl.summarize(
-        [run("relax", 0.1, 900, 0.3), run("trl", 0.2, 600, 0.25), {"tool": "x", "error": "e"}]
+        [
+            run("relax", 0.1, 900, 0.3),
+            run("relax_in_process", 0.08, 540, 0.3),
+            run("trl", 0.2, 600, 0.25),
+            {"tool": "x", "error": "e"},
+        ]
     )
-    ratios = lines[-1]["relax_vs_trl"]
+    ratios = lines[-2]["relax_vs_trl"]
     assert ratios["s_per_step_ratio"] == 0.5 and ratios["peak_rss_mb_ratio"] == 1.5
     assert ratios["eval_reward_diff"] == 0.05
+    in_process = lines[-1]["relax_in_process_vs_trl"]
+    assert in_process["s_per_step_ratio"] == 0.4 and in_process["peak_rss_mb_ratio"] == 0.9

@@ -47,6 +47,7 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Comple
         "help": ["--help"],
         "missing_model": ["model=qwen3_4b", "model.path=/nonexistent"],
         "cpus_short": ["trainer.num_cpus=3", "cluster.num_cpus=2"],
+        "in_process_async": ["cluster=in_process", "mode=async"],
         **{f"data_{name}": ["data=jsonl", f"data.train_path={path}"] for name, path in data.items()},
     }
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RAY_ADDRESS")}
@@ -128,6 +129,12 @@ def test_more_logical_cpus_than_the_cluster_has_fails_with_one_error_naming_the_
     ], result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr
     assert result.returncode == 2
+
+
+def test_in_process_refuses_what_needs_several_processes_with_one_line(cli) -> None:
+    result = cli["in_process_async"]
+    assert_one_error_line(result, "cluster=in_process", "needs mode=colocate (got async", "cluster=local")
+    assert not any(marker in result.stdout + result.stderr for marker in RAY_MARKERS)
 
 
 def test_cfg_job_prints_the_composed_config(cli) -> None:

@@ -1,0 +1,89 @@
+"""``cluster=in_process``: the same experiment with every role in the launcher's process and no Ray.
+
+The roles, mode and run loop are the ones a Ray run uses, so for one seed the in-process run must give the
+Ray run's per-step rewards exactly, resume from its own checkpoint step for step, and start no Ray at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# a short default experiment: warm-start, 8 RL steps, evaluations and a checkpoint half-way
+SHORT = [
+    "logger=jsonl",
+    "trainer.sft_warmup_steps=10",
+    "trainer.total_steps=8",
+    "trainer.eval_every=4",
+    "trainer.save_every=4",
+    "trainer.export_final_model=false",
+]
+
+
+def launch(out: Path, *overrides: str, ray_tmp: Path | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RAY_ADDRESS")}
+    if ray_tmp is not None:  # where Ray would put its session folder if anything started it
+        env["RAY_TMPDIR"] = str(ray_tmp)
+    result = subprocess.run(
+        [sys.executable, "-m", "relax_launch", *SHORT, *overrides, f"hydra.run.dir={out}"],
+        cwd=out.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    return result
+
+
+def rewards(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["reward/mean"] for r in rows if "reward/mean" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("in_process")
+    ray_tmp = tmp / "ray_tmp"
+    ray_tmp.mkdir()
+    out = {"in_process": tmp / "in_process", "ray": tmp / "ray", "resumed": tmp / "resumed"}
+    logs = {"in_process": launch(out["in_process"], "cluster=in_process", ray_tmp=ray_tmp)}
+    logs["ray"] = launch(out["ray"], "cluster=local")
+    checkpoint = out["in_process"] / "checkpoints" / "step_000004"
+    logs["resumed"] = launch(out["resumed"], "cluster=in_process", f"trainer.resume={checkpoint}")
+    return {"dirs": out, "logs": logs, "ray_tmp": ray_tmp}
+
+
+@pytest.mark.slow
+def test_in_process_run_gives_the_ray_runs_rewards_step_for_step(runs) -> None:
+    in_process, on_ray = rewards(runs["dirs"]["in_process"]), rewards(runs["dirs"]["ray"])
+    assert sorted(in_process) == list(range(1, 9))
+    assert in_process == on_ray
+    summaries = [json.loads((runs["dirs"][k] / "summary.json").read_text()) for k in ("in_process", "ray")]
+    for key in ("eval_accuracy_untrained", "eval_accuracy_start", "eval_accuracy_final"):
+        assert summaries[0][key] == summaries[1][key], key
+
+
+@pytest.mark.slow
+def test_in_process_run_starts_no_ray_and_hands_weights_over_in_memory(runs) -> None:
+    log = runs["logs"]["in_process"].stdout + runs["logs"]["in_process"].stderr
+    assert "no Ray: every role runs in this process" in log
+    assert "weight transfer: in_process" in log
+    assert "Started a local Ray instance" not in log
+    assert list(runs["ray_tmp"].iterdir()) == []  # no Ray session folder was created
+    ray_log = runs["logs"]["ray"].stdout + runs["logs"]["ray"].stderr
+    assert "Ray up:" in ray_log  # the comparison run really ran on Ray
+
+
+@pytest.mark.slow
+def test_in_process_run_resumes_from_its_checkpoint_step_for_step(runs) -> None:
+    straight, resumed = rewards(runs["dirs"]["in_process"]), rewards(runs["dirs"]["resumed"])
+    assert {s: resumed[s] for s in range(5, 9)} == {s: straight[s] for s in range(5, 9)}
+    summary = json.loads((runs["dirs"]["resumed"] / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["resumed_from"].endswith("step_000004")
