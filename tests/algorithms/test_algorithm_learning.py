@@ -1,4 +1,5 @@
-"""Each algorithm learns on the default task: a short run in one shared Ray session, reward must rise.
+"""Each algorithm learns on the default task: a short run with every role in the test's process
+(``cluster=in_process``, which gives a Ray run's rewards step for step), reward must rise.
 
 Runs are kept small (a 40-step warm-start, 40 RL steps at lr 2e-3, the default 16 prompts x 8 samples) so the whole suite fits
 the CI budget; the start is weak on purpose so there is room to improve. The comparison is the mean train
@@ -8,7 +9,6 @@ reward of the last 10 steps against the first 10 (DAPO: over every generated sam
 from __future__ import annotations
 
 import pytest
-import ray
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
@@ -25,16 +25,10 @@ SMALL_RUN = [
     "trainer.eval_every=0",
     "logger=jsonl",
     "logger.plot=false",
+    "cluster=in_process",
     "rollout.num_threads=1",
     "trainer.num_threads=1",
 ]
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +52,7 @@ def run_algorithm(name: str, out_dir, extra: list[str]) -> tuple[dict, list[dict
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_algorithm_reward_rises(name, ray_session, teacher_cache, tmp_path):
+def test_algorithm_reward_rises(name, teacher_cache, tmp_path):
     extra = {
         # a shorter teacher schedule than the default keeps the suite in budget
         "opd": [f"algorithm.teacher.cache_dir={teacher_cache}", "algorithm.teacher.train_steps=120"],
