@@ -46,12 +46,6 @@ class InProcessActor:
             raise AttributeError(method)
         return InProcessMethod(getattr(self.role, method))
 
-    def shutdown(self) -> None:
-        """Release what the role holds outside Python objects (reward workers, engine servers)."""
-        close = getattr(self.role, "shutdown", None)
-        if close is not None:
-            close()
-
 
 class InProcessMethod:
     def __init__(self, fn: Callable[..., Any], num_returns: int = 1) -> None:
@@ -99,8 +93,11 @@ def put(value: Any) -> Any:
 
 
 def kill(handle: Any) -> None:
-    """End the role behind ``handle``: kill its Ray actor, or shut down the object in this process."""
+    """End the role behind ``handle``: kill its Ray actor, or let the object in this process release what it
+    holds outside Python objects (reward workers, engine servers) through its own ``shutdown``."""
     if isinstance(handle, InProcessActor):
-        handle.shutdown()
+        close = getattr(handle.role, "shutdown", None)
+        if close is not None:
+            close()
     else:
         ray.kill(handle, no_restart=True)
