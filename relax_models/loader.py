@@ -7,10 +7,15 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from relax_models.errors import RelaxUserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# name of a forward's KV-cache argument and output: transformers 5.24 renamed ``past_key_values`` to ``cache``
+# (the old name still works there, with a FutureWarning per process); earlier versions know only the old one
+KV_CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def resolve_model_path(model_cfg, output_dir: str, seed: int) -> str:

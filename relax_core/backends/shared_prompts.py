@@ -14,6 +14,7 @@ import torch
 
 from relax_core.algorithms.logprobs import response_tokens
 from relax_core.samples import TrainBatch
+from relax_models.loader import KV_CACHE_KEY
 
 
 def distinct_prompts(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +58,7 @@ def shared_prompt_logits(
     if width == 1:
         return head
     # response tokens 0..R-2 predict tokens 1..R-1; each row attends to its prompt's keys and values
-    cache = first.past_key_values
+    cache = getattr(first, KV_CACHE_KEY)
     for layer in cache.layers:
         # index_select, not the cache's own batch_select_indices (``keys[indices]``): on CPU the backward of
         # advanced indexing sums repeated rows in a thread-dependent order, so runs of one seed drifted apart
@@ -69,7 +70,7 @@ def shared_prompt_logits(
         input_ids=tokens,
         attention_mask=torch.cat([prompt_mask[inverse], token_mask], 1),
         position_ids=batch.prompt_lens.unsqueeze(1) + steps,
-        past_key_values=cache,
         use_cache=True,
+        **{KV_CACHE_KEY: cache},
     )
     return torch.cat([head, rest.logits], 1)

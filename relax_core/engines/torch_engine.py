@@ -560,6 +560,7 @@ class TorchEngine(RolloutEngine):
     ) -> list[GenerationResult]:
         """Left-padded batch through the HF forward with an HF cache; multimodal kwargs + M-RoPE positions."""
         from relax_models.families import decode_positions, forward_kwargs, rope_positions
+        from relax_models.loader import KV_CACHE_KEY
 
         with torch.no_grad():
             n = max(sampling.n, 1)
@@ -575,7 +576,7 @@ class TorchEngine(RolloutEngine):
             kw = forward_kwargs(self.family, mm, input_ids=ids, config=self.model.config, device=self.device)
             positions, deltas = rope_positions(self.family, self.model, ids, mask, kw)
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kw)
-            cache, logits = out.past_key_values, out.logits[:, -1, :]
+            cache, logits = getattr(out, KV_CACHE_KEY), out.logits[:, -1, :]
             next_index = mask.sum(-1)
             if n > 1:  # one prefill per prompt, n decoding rows per prompt
                 cache.batch_repeat_interleave(n)
@@ -612,10 +613,10 @@ class TorchEngine(RolloutEngine):
                     input_ids=token.unsqueeze(1),
                     attention_mask=mask,
                     position_ids=decode_positions(self.family, next_index, deltas),
-                    past_key_values=cache,
                     use_cache=True,
+                    **{KV_CACHE_KEY: cache},
                 )
-                cache, logits = out.past_key_values, out.logits[:, -1, :]
+                cache, logits = getattr(out, KV_CACHE_KEY), out.logits[:, -1, :]
                 next_index = next_index + 1
             aborted = self._abort.is_set()
             results = []

@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from relax_models.families import FAMILIES, decode_positions, forward_kwargs, rope_positions
+from relax_models.loader import KV_CACHE_KEY
 from relax_models.processors import build_multimodal_inputs, load_processor
 from relax_models.tiny_multimodal import build_tiny_qwen3_vl
 
@@ -157,8 +158,8 @@ def test_cached_decode_matches_full_forward(
             input_ids=new,
             attention_mask=torch.cat([mask, torch.ones_like(new)], 1),
             position_ids=decode_positions(family, mask.sum(-1), deltas),
-            past_key_values=out.past_key_values,
             use_cache=True,
+            **{KV_CACHE_KEY: getattr(out, KV_CACHE_KEY)},
         ).logits[:, -1]
     for i, (ids, mm) in enumerate(prompts):
         full = torch.tensor([ids + new[i].tolist()])
