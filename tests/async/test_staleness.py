@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from relax_core.databus import sample_key
@@ -53,15 +55,23 @@ def test_staleness_metrics() -> None:
 
 
 @pytest.mark.parametrize(
-    ("override", "message"),
+    ("overrides", "message"),
     [
-        ("mode.databus=kafka", "mode.databus='kafka' is not one of"),
-        ("mode.partial_rollout=drop", "mode.partial_rollout='drop'"),
-        ("mode.max_staleness=-1", "mode.max_staleness must be >= 0"),
-        ("weight_transfer.bucket_mb=0", "weight_transfer.bucket_mb must be > 0"),
+        (["mode.databus=kafka"], "mode.databus='kafka' is not one of"),
+        (["mode.partial_rollout=drop"], "mode.partial_rollout='drop'"),
+        (["mode.max_staleness=-1"], "mode.max_staleness must be >= 0"),
+        (["weight_transfer.bucket_mb=0"], "weight_transfer.bucket_mb must be > 0"),
+        (
+            ["mode.deterministic=true", "algorithm.ppo_epochs=2"],
+            "mode.deterministic=true needs one optimizer batch per rollout batch",
+        ),
+        (
+            ["mode.deterministic=true", "algorithm.kl_loss_coef=0.1", "mode.ref_update_interval=2"],
+            "mode.deterministic=true needs a frozen Reference (mode.ref_update_interval=0)",
+        ),
     ],
 )
-def test_async_config_errors_name_the_key(tmp_path, override: str, message: str) -> None:
+def test_async_config_errors_name_the_key(tmp_path, overrides: list[str], message: str) -> None:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
@@ -70,8 +80,8 @@ def test_async_config_errors_name_the_key(tmp_path, override: str, message: str)
     from relax_core.validation import validate
 
     with initialize_config_module("relax_launch.conf", version_base="1.3"):
-        cfg = OmegaConf.to_object(compose("config", overrides=["mode=async", override]))
-    with pytest.raises(RelaxUserError, match=message.replace("(", r"\(")):
+        cfg = OmegaConf.to_object(compose("config", overrides=["mode=async", *overrides]))
+    with pytest.raises(RelaxUserError, match=re.escape(message)):
         validate(cfg)
 
 
