@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import logging
 import sys
 
@@ -99,6 +101,10 @@ def composition_problem(overrides: list[str]) -> str | None:
 
 
 def main() -> None:
+    # Registered first, so it runs after every other exit handler: the interpreter's final garbage
+    # collection then skips torch's, transformers' and Ray's object graphs (~2 s on 2 cores); the OS frees
+    # them with the process.
+    atexit.register(gc.freeze)
     # Plain runs get a one-line message for a bad override; flagged invocations (--cfg, -m, --help, ...)
     # go to Hydra untouched.
     args = sys.argv[1:]

@@ -1,5 +1,6 @@
-"""``python -m relax_launch trainer=fsdp``: two FSDP Actor ranks (real Ray actors, one gloo group) train the
-default task, checkpoint in shards and resume exactly; bad rank settings fail before Ray starts."""
+"""``python -m relax_launch trainer=fsdp``: two FSDP Actor ranks (real Ray actors, one gloo group) take the
+one-rank run's steps on the default task, checkpoint in shards and resume exactly; bad rank settings fail
+before Ray starts."""
 
 from __future__ import annotations
 
@@ -149,18 +150,26 @@ def test_async_fsdp_ppo_kl_at_staleness_zero_takes_the_colocate_steps(ppo_kl: Pa
             assert row[key] == pytest.approx(same[key], rel=1e-4, abs=1e-6), (row["step"], key)
 
 
-# the shortest budget with margin on the default task with 2 FSDP ranks (seed 1, deterministic): 200 steps
-# gave a gain of 0.308, right on the bar; 300 steps 0.355; the full 500 steps 0.539 (see README)
-LEARNING_STEPS = 300
+# two ranks must take the one-rank run's steps on the default task: the same rollouts (rewards to the last
+# digit) and the same losses up to the order of the gradient all-reduce. Measured (seed 1, 40 steps): equal
+# rewards for the first 14 RL steps, then a float difference flips one sampled token; 8 leaves margin.
+EQUAL_STEPS = 8
 
 
 @pytest.mark.slow
-def test_two_fsdp_ranks_learn_the_default_task(tmp_path: Path) -> None:
-    summary = _launch(
-        tmp_path / "run", ["trainer=fsdp", f"trainer.total_steps={LEARNING_STEPS}", "logger=jsonl"]
-    )
-    assert summary["status"] == "finished"
-    assert summary["reward_gain"] >= 0.3, summary
+def test_two_fsdp_ranks_take_the_single_rank_steps_on_the_default_task(tmp_path: Path) -> None:
+    common = [f"trainer.total_steps={EQUAL_STEPS}", "logger=jsonl"]
+    single = _launch(tmp_path / "single", ["trainer=torch", *common])
+    sharded = _launch(tmp_path / "fsdp", ["trainer=fsdp", *common])
+    assert single["status"] == sharded["status"] == "finished"
+    for key in ("eval_accuracy_start", "eval_accuracy_final"):
+        assert sharded[key] == single[key], key
+    one = {r["step"]: r for r in _metrics(tmp_path / "single")}
+    two = {r["step"]: r for r in _metrics(tmp_path / "fsdp")}
+    assert sorted(s for s in two if s >= 1) == list(range(1, EQUAL_STEPS + 1))
+    for step in range(1, EQUAL_STEPS + 1):
+        assert two[step]["reward/mean"] == one[step]["reward/mean"], step
+        assert two[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-3, abs=1e-5), step
 
 
 def _compose(overrides: list[str]):
