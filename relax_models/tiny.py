@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from relax_models.families import TINY_MARKER
 from relax_models.tokenizer import build_char_tokenizer
 
 
@@ -18,7 +19,7 @@ def build_tiny_qwen3(folder: str | Path, seed: int, **dims: int | bool) -> Path:
     """
     folder = Path(folder)
     recipe = {"seed": seed, **dims}
-    marker = folder / "relax_tiny.json"
+    marker = folder / TINY_MARKER
     if marker.exists() and json.loads(marker.read_text()) == recipe:
         return folder
     tokenizer = build_char_tokenizer()

@@ -16,10 +16,9 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from relax_models.families import TINY_MARKER, get_family
 from relax_models.processors.processor import DEFAULT_TOKENS, MultimodalProcessor
 from relax_models.tokenizer import CHARACTERS, SPECIAL_TOKENS, build_char_tokenizer
-
-MARKER = "relax_tiny.json"
 
 TEXT_DIMS: dict[str, Any] = {
     "hidden_size": 64,
@@ -80,7 +79,7 @@ def build_multimodal_tokenizer(audio: bool = False) -> PreTrainedTokenizerFast:
 
 
 def _reuse(folder: Path, recipe: dict[str, Any]) -> bool:
-    marker = folder / MARKER
+    marker = folder / TINY_MARKER
     return marker.exists() and json.loads(marker.read_text()) == recipe
 
 
@@ -88,7 +87,7 @@ def _finish(folder: Path, recipe: dict[str, Any], model: torch.nn.Module, proces
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
-    (folder / MARKER).write_text(json.dumps(recipe))
+    (folder / TINY_MARKER).write_text(json.dumps(recipe))
     return folder
 
 
@@ -292,6 +291,4 @@ def build_tiny_qwen3_omni(
 
 def build_tiny(family: str, folder: str | Path, seed: int, **dims: Any) -> Path:
     """The tiny twin of ``family`` (see ``relax_models.families``)."""
-    from relax_models.families import get_family
-
     return get_family(family).build_tiny(folder, seed, **dims)

@@ -113,3 +113,33 @@ def test_decode_positions_shapes() -> None:
     assert decode_positions("qwen3", nxt, torch.zeros(2, 1, dtype=torch.long)).tolist() == [[5], [9]]
     pos = decode_positions("qwen3_vl", nxt, delta)
     assert pos.shape == (3, 2, 1) and pos[:, :, 0].tolist() == [[3, 9]] * 3
+
+
+TINY_DIMS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_tiny_twin_is_built_once_per_recipe_and_copied_byte_for_byte(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("RELAX_CACHE_DIR", str(tmp_path / "cache"))
+    family = FAMILIES["qwen3"]
+    first = family.build_tiny(tmp_path / "run1" / "model_init", seed=1, **TINY_DIMS)
+    second = family.build_tiny(tmp_path / "run2" / "model_init", seed=1, **TINY_DIMS)
+    cached = list((tmp_path / "cache" / "tiny_models").iterdir())
+    assert [p.name.startswith("qwen3-") for p in cached] == [True]  # one build, no scratch folder left
+    # the copies are the build a launch without a cache makes in place
+    direct = family._build_tiny(tmp_path / "direct", 1, TINY_DIMS)
+    assert _files(first) == _files(second) == _files(direct) == _files(cached[0])
+    other_seed = family.build_tiny(tmp_path / "run3" / "model_init", seed=2, **TINY_DIMS)
+    assert len(list((tmp_path / "cache" / "tiny_models").iterdir())) == 2
+    assert _files(other_seed)["model.safetensors"] != _files(first)["model.safetensors"]
+
+
+def test_tiny_twin_without_a_writable_cache_is_built_in_place(tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    monkeypatch.setenv("RELAX_CACHE_DIR", str(blocker))
+    folder = FAMILIES["qwen3"].build_tiny(tmp_path / "model_init", seed=1, **TINY_DIMS)
+    assert (folder / "model.safetensors").is_file() and (folder / "relax_tiny.json").is_file()
