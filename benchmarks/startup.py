@@ -29,20 +29,12 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "resilience"))
+from resilience_helpers import TINY_RUN  # noqa: E402  (the tests' tiny run)
+
 ENV = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-TINY = [
-    "trainer.sft_warmup_steps=2",
-    "trainer.sft_batch_size=16",
-    "rollout.batch_size=4",
-    "rollout.n_samples_per_prompt=4",
-    "data.num_train=64",
-    "data.num_eval=8",
-    "trainer.eval_every=0",
-    "trainer.total_steps=2",
-    "logger=jsonl",
-    "rollout.num_threads=1",
-    "trainer.num_threads=1",
-]
+# the cluster is the launch's own choice (cluster=in_process has no CPU count)
+TINY = [o for o in TINY_RUN if not o.startswith("cluster.")] + ["trainer.total_steps=2"]
 MARKS = {"ray_up": "Ray up:", "roles_up": "roles up", "done": "done: "}
 
 
