@@ -15,9 +15,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,7 @@ from typing import Any
 
 import torch
 
+from relax_models.cache import build_once, cache_root
 from relax_models.errors import RelaxUserError
 
 # what every tiny builder writes last: the recipe the folder was built from
@@ -95,8 +94,8 @@ class FamilySpec:
     def build_tiny(self, folder: str | Path, seed: int, **dims: Any) -> Path:
         """Write this family's random-init tiny twin (model + tokenizer/processor) to ``folder``.
 
-        The build is deterministic, so it is made once per recipe in the user cache (``$RELAX_CACHE_DIR``
-        or ``~/.cache/relax``) and copied from there: a launch then does not import the family's modeling
+        The build is deterministic, so it is made once per recipe in the user cache
+        (:func:`relax_models.cache.cache_root`) and copied from there: a launch then does not import the family's modeling
         code, ~3 s of a tiny run's start on 2 cores. Without a writable cache it is built in place."""
         folder = Path(folder)
         try:
@@ -125,20 +124,12 @@ class FamilySpec:
             ).hexdigest(),
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        root = Path(os.environ.get("RELAX_CACHE_DIR") or "~/.cache/relax").expanduser() / "tiny_models"
-        cached = root / f"{self.name}-{digest}"
-        if not (cached / TINY_MARKER).is_file():
-            root.mkdir(parents=True, exist_ok=True)
-            scratch = Path(tempfile.mkdtemp(dir=root, prefix=f".{cached.name}-"))
-            try:
-                self._build_tiny(scratch, seed, dims)
-                scratch.chmod(0o755)  # mkdtemp's 0700 would be copied to every run's folder
-                scratch.rename(cached)  # fails when another launch built it first
-            except BaseException:
-                shutil.rmtree(scratch, ignore_errors=True)
-                if not (cached / TINY_MARKER).is_file():
-                    raise
-        return cached
+        cached = cache_root() / "tiny_models" / f"{self.name}-{digest}"
+        return build_once(
+            cached,
+            lambda f: (f / TINY_MARKER).is_file(),
+            lambda scratch: self._build_tiny(scratch, seed, dims),
+        )
 
     def load(
         self, path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"

@@ -11,10 +11,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +24,7 @@ from relax_core.databus.stages import score_stage
 from relax_core.errors import RelaxUserError
 from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
+from relax_models.cache import build_once, cache_root
 
 log = logging.getLogger("relax")
 
@@ -101,8 +99,7 @@ def teacher_recipe(teacher_cfg, data_cfg, seed: int) -> dict:
 
 
 def default_cache_dir(teacher_cfg) -> Path:
-    root = teacher_cfg.cache_dir or os.environ.get("RELAX_CACHE_DIR") or "~/.cache/relax"
-    return Path(root).expanduser() / "teachers"
+    return (Path(teacher_cfg.cache_dir).expanduser() if teacher_cfg.cache_dir else cache_root()) / "teachers"
 
 
 def resolve_teacher_path(cfg) -> str:
@@ -131,22 +128,19 @@ def ensure_default_teacher(teacher_cfg, data_cfg, seed: int = 0, folder: str | P
     recipe = teacher_recipe(teacher_cfg, data_cfg, seed)
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(folder) if folder else default_cache_dir(teacher_cfg) / f"{data_cfg.synthetic}-{key}"
-    marker = folder / "relax_teacher.json"
-    if marker.is_file() and json.loads(marker.read_text()).get("recipe") == recipe:
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    log.info("training the default %s teacher into %s (once; reused afterwards)", data_cfg.synthetic, folder)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        report = train_task_teacher(teacher_cfg, data_cfg, seed, tmp)
-        (tmp / "relax_teacher.json").write_text(json.dumps({"recipe": recipe, **report}, indent=1))
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+
+    def is_built(f: Path) -> bool:
+        marker = f / "relax_teacher.json"
+        return marker.is_file() and json.loads(marker.read_text()).get("recipe") == recipe
+
+    def train(scratch: Path) -> None:
+        log.info(
+            "training the default %s teacher into %s (once; reused afterwards)", data_cfg.synthetic, folder
+        )
+        report = train_task_teacher(teacher_cfg, data_cfg, seed, scratch)
+        (scratch / "relax_teacher.json").write_text(json.dumps({"recipe": recipe, **report}, indent=1))
+
+    return build_once(folder, is_built, train)
 
 
 def train_task_teacher(teacher_cfg, data_cfg, seed: int, folder: Path) -> dict:
