@@ -213,8 +213,6 @@ def test_function_calling_agent_learns_which_function_fits_under_rl(tmp_path):
             "+rollout.agent.env.RELAX_AGENT_STREAM='1'",
             "rollout.agent.save_trajectories=true",
             "trainer.eval_every=0",
-            # half the experiment's 40 RL steps: measured greedy accuracy 0.19 -> 1.00 by step 10 of 20
-            "trainer.total_steps=20",
         ],
         cwd=tmp_path,
         env=ENV,
