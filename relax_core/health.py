@@ -178,7 +178,7 @@ class HealthManager:
         """A step failed with a role actor's error: replace the dead replicas in place and count a retry.
         Gives up with :class:`RunFailedError` when the same step failed more than ``max_role_restarts``+1
         times (e.g. an error that no restart cures); returns the replicas that were replaced."""
-        log.warning("step %d: a role actor failed (%s); recovering", step, type(err).__name__)
+        log.warning("step %d: a process of the run failed (%s); recovering", step, type(err).__name__)
         self._failures[step] = self._failures.get(step, 0) + 1
         if self._failures[step] > self.max_role_restarts + 1:
             self._event("give_up", "run", 0, f"step {step} failed {self._failures[step]} times")

@@ -30,6 +30,7 @@ QUIET_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "RAY_DEDUP_LOGS": "1",
+    "TQ_LOGGING_LEVEL": "ERROR",  # TransferQueue (mode.databus=transferqueue) warns on every call
 }
 
 

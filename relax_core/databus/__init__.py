@@ -10,7 +10,14 @@ Implementations (``mode.databus``):
 
 from __future__ import annotations
 
-from relax_core.databus.base import DataBus, DataBusTimeout, PartitionCancelled, partition_name, sample_key
+from relax_core.databus.base import (
+    DataBus,
+    DataBusDown,
+    DataBusTimeout,
+    PartitionCancelled,
+    partition_name,
+    sample_key,
+)
 from relax_core.databus.memory import InMemoryDataBus
 from relax_core.errors import RelaxUserError
 
@@ -35,6 +42,7 @@ def start_databus(name: str) -> DataBus:
 __all__ = [
     "DATABUS_CHOICES",
     "DataBus",
+    "DataBusDown",
     "DataBusTimeout",
     "InMemoryDataBus",
     "PartitionCancelled",

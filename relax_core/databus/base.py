@@ -33,6 +33,11 @@ class DataBusTimeout(TimeoutError):
     """A consumer waited longer than its timeout for rows that never became ready."""
 
 
+class DataBusDown(RuntimeError):
+    """A process of the bus died under a call: whether the call took effect is unknown. The scheduler
+    recovers as from a dead role (:meth:`DataBus.wait_until_up` brings the bus back, empty)."""
+
+
 class PartitionCancelled(RuntimeError):
     """The partition was cancelled (its step is being regenerated after a failure): stop working on it."""
 
@@ -78,7 +83,8 @@ class DataBus(abc.ABC):
         """Release the bus's processes (only the process that started it does anything)."""
 
     def wait_until_up(self, timeout_s: float = 300.0) -> None:
-        """Return once the bus answers again (a bus process that was restarted after a crash)."""
+        """Return once the bus answers again; called by the process that started it, after a failure (a
+        bus process that died is restarted, by Ray or by this call)."""
 
     def wait_ready(
         self,

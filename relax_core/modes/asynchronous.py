@@ -36,7 +36,7 @@ from ray.util.placement_group import remove_placement_group
 
 from relax_core.algorithm_roles import dynamic_sampling_metrics
 from relax_core.algorithms.spec import requirements
-from relax_core.databus import DataBus, partition_name, start_databus
+from relax_core.databus import DataBus, DataBusDown, partition_name, start_databus
 from relax_core.databus.records import SAMPLE_FIELDS
 from relax_core.errors import RelaxUserError
 from relax_core.health import ACTOR_FAILURES, GlobalRestartNeeded
@@ -53,6 +53,8 @@ from relax_core.samples import PromptRecord, Sample
 from relax_core.weight_transfer import WeightTransfer, choose_strategy
 
 log = logging.getLogger("relax")
+# a role's process, or one of the data bus's, died under a call
+FAILURES = (*ACTOR_FAILURES, DataBusDown)
 
 BUS_CPUS = 0.1
 # roles that add fields to a step's rows between Rollout and Actor, in launch order
@@ -358,7 +360,7 @@ class AsyncMode(Mode):
             try:
                 self._advance(st, evaluate)
                 finished = self._finished_steps(st)
-            except ACTOR_FAILURES as err:
+            except FAILURES as err:
                 self._recover(st, err)
                 continue
             yield from finished
@@ -507,13 +509,13 @@ class AsyncMode(Mode):
         while True:
             try:
                 return self._recover_once(st, err)
-            except ACTOR_FAILURES as again:
+            except FAILURES as again:
                 err = again
 
     def _recover_once(self, st: Schedule, err: BaseException) -> None:
         self.health.current_step = st.trained + 1
         self.health.step_failed(st.trained + 1, err)  # GlobalRestartNeeded when the Actor or Critic died
-        self.bus.wait_until_up()  # a killed bus server is back, empty
+        self.bus.wait_until_up()  # a killed bus is back (restarted by Ray or by this call), empty
         for s in range(st.trained + 1, st.next_roll):
             self.bus.cancel(partition_name(s))
         self._drain(st)

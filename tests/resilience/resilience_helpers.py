@@ -70,9 +70,9 @@ def wait_for_step(run_dir: Path, step: int, recoveries: int = 0, timeout_s: floa
     )
 
 
-def actor_pid(name: str) -> int:
+def actor_pid(name: str, namespace: str | None = None) -> int:
     """PID of the live Ray actor ``name`` (a role replica such as ``rollout-0``), from inside that actor."""
     import ray
 
-    handle = ray.get_actor(name)
+    handle = ray.get_actor(name, namespace=namespace)
     return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=60)

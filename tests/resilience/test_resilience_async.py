@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from resilience_helpers import TINY_RUN, actor_pid, compose, read_metrics, wait_for_step
 
+from relax_core.databus.transferqueue import CONTROLLER, CONTROLLER_NAMESPACE, STORAGE_UNIT
 from relax_launch.run import run_experiment
 
 pytestmark = pytest.mark.slow
@@ -28,6 +29,45 @@ KILLS = [
     (6, "actor-0"),
 ]
 TOTAL = 24  # room for the six kills: each waits until the run has recovered from the one before
+
+
+def run_killing(cfg, run_dir: Path, kills: list[tuple[int, str, str | None]]) -> tuple[dict, list[str]]:
+    """Run ``cfg`` while a thread SIGKILLs each ``(step, actor name, namespace)`` in turn, once that step is
+    logged; returns the run's summary and the names killed. Each kill waits until the run has recovered
+    from the one before: two deaths found in one recovery would be counted as one (and the Actor's global
+    restart would hide the other)."""
+    killed: list[str] = []
+    errors: list[BaseException] = []
+
+    def kill_in_turn() -> None:
+        try:
+            for done, (step, name, namespace) in enumerate(kills):
+                wait_for_step(run_dir, step, recoveries=done)
+                os.kill(actor_pid(name, namespace), signal.SIGKILL)
+                killed.append(name)
+        except Exception as err:  # noqa: BLE001  (reported by the test)
+            errors.append(err)
+
+    killer = threading.Thread(target=kill_in_turn, daemon=True)
+    killer.start()
+    summary = run_experiment(cfg)
+    killer.join(timeout=5)
+    assert not errors, errors
+    assert killed == [name for _, name, _ in kills], killed
+    assert summary["status"] == "finished"
+    return summary, killed
+
+
+def every_step_trained_once(run_dir: Path, total: int) -> dict:
+    """Check steps 0..total are logged once, in order, each training its own samples once (none lost,
+    none trained twice, generated = trained + regenerated); returns the last step's metrics."""
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(total + 1))
+    steps = rows[1:]
+    assert [r["samples/trained"] for r in steps] == [s * STEP_SAMPLES for s in range(1, total + 1)]
+    last = steps[-1]
+    assert last["samples/generated"] == last["samples/trained"] + last["samples/regenerated"]
+    return last
 
 
 def test_async_run_survives_a_sigkill_of_every_role(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -47,36 +87,9 @@ def test_async_run_survives_a_sigkill_of_every_role(tmp_path: Path, caplog: pyte
         ],
         run_dir,
     )
-    killed: list[tuple[str, int]] = []
-    killer_errors: list[BaseException] = []
+    run_killing(cfg, run_dir, [(step, name, None) for step, name in KILLS])
 
-    def kill_in_turn() -> None:
-        # each kill waits until the run has recovered from the one before: two deaths found in one recovery
-        # would be counted as one (and the Actor's global restart would hide the other)
-        try:
-            for done, (step, name) in enumerate(KILLS):
-                wait_for_step(run_dir, step, recoveries=done)
-                pid = actor_pid(name)
-                os.kill(pid, signal.SIGKILL)
-                killed.append((name, max(r["step"] for r in read_metrics(run_dir))))
-        except Exception as err:  # noqa: BLE001  (reported by the test)
-            killer_errors.append(err)
-
-    killer = threading.Thread(target=kill_in_turn, daemon=True)
-    killer.start()
-    summary = run_experiment(cfg)
-    killer.join(timeout=5)
-
-    assert not killer_errors, killer_errors
-    assert [name for name, _ in killed] == [name for _, name in KILLS], killed
-    assert summary["status"] == "finished"
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(TOTAL + 1)), killed  # every step once, in order
-    steps = rows[1:]
-    # each step trained exactly its own samples once: none lost, none trained twice
-    assert [r["samples/trained"] for r in steps] == [s * STEP_SAMPLES for s in range(1, TOTAL + 1)]
-    last = steps[-1]
-    assert last["samples/generated"] == last["samples/trained"] + last["samples/regenerated"]
+    last = every_step_trained_once(run_dir, TOTAL)
     assert last["health/role_restarts"] >= 4  # rollout, Reference, ActorFwd, advantages
     # the Actor's death restarts everything from a checkpoint; so does a kill that stops the Actor between
     # the two optimizer updates of a step (its rows cannot be trained again, nor can the step be finished)
@@ -105,21 +118,26 @@ def test_async_run_survives_a_sigkill_of_its_critic_or_teacher(
     overrides += [*algorithm, "trainer.save_every=2", "trainer.heartbeat_interval_s=1"]
     if "algorithm=opd" in algorithm:
         overrides.append(f"algorithm.teacher.cache_dir={tmp_path / 'teachers'}")
-    cfg = compose(overrides, run_dir)
+    run_killing(compose(overrides, run_dir), run_dir, [(3, victim, None)])
 
-    def kill() -> None:
-        wait_for_step(run_dir, 3)
-        os.kill(actor_pid(victim), signal.SIGKILL)
+    last = every_step_trained_once(run_dir, total)
+    assert last[restart_counter] >= 1, last
 
-    killer = threading.Thread(target=kill, daemon=True)
-    killer.start()
-    summary = run_experiment(cfg)
-    killer.join(timeout=5)
 
-    assert summary["status"] == "finished"
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(total + 1))  # every step once, in order
-    steps = rows[1:]
-    assert [r["samples/trained"] for r in steps] == [s * STEP_SAMPLES for s in range(1, total + 1)]
-    assert steps[-1]["samples/generated"] == steps[-1]["samples/trained"] + steps[-1]["samples/regenerated"]
-    assert steps[-1][restart_counter] >= 1, steps[-1]
+def test_async_run_survives_a_sigkill_of_each_transferqueue_actor(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TransferQueue's controller, then its storage unit: each time the roles' calls stop waiting on the dead
+    actor, the driver starts a fresh TransferQueue and the steps in flight are regenerated."""
+    caplog.set_level(logging.WARNING, logger="relax")
+    run_dir, total = tmp_path / "run", 8
+    overrides = [o for o in TINY_RUN if not o.startswith("cluster.num_cpus=")]
+    overrides += ["cluster.num_cpus=8", "mode=async", "mode.max_staleness=1", "mode.databus=transferqueue"]
+    cfg = compose([*overrides, f"trainer.total_steps={total}"], run_dir)
+    run_killing(cfg, run_dir, [(2, CONTROLLER, CONTROLLER_NAMESPACE), (4, STORAGE_UNIT.format(0), None)])
+
+    last = every_step_trained_once(run_dir, total)
+    restarts = [r for r in caplog.records if "starting a fresh TransferQueue" in r.getMessage()]
+    assert len(restarts) == 2, [r.getMessage() for r in caplog.records]
+    assert last["health/step_retries"] == 2
+    assert last["health/role_restarts"] == last["health/global_restarts"] == 0  # no role was restarted
