@@ -80,14 +80,24 @@ class _CallThread:
                 future.set_exception(err)
 
 
+class _ProcessClient:
+    """This process's attachment to TransferQueue. TransferQueue keeps one client per process (module
+    globals), so the state lives here, shared by every bus object of the process (roles that share one)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.attached: tuple | None = None  # ids of the actors the client talks to
+        self.checked_at = -WATCH_S
+        self.thread: _CallThread | None = None
+
+
+_PROCESS = _ProcessClient()
+
+
 class TransferQueueDataBus(DataBus):
     def __init__(self, num_storage_units: int = 1) -> None:
         self.num_storage_units = num_storage_units
         self._owner = False
-        self._attached: tuple | None = None  # ids of the actors this process's client talks to
-        self._checked_at = -WATCH_S
-        self._lock = threading.Lock()
-        self._thread: _CallThread | None = None
 
     @classmethod
     def start(cls, num_storage_units: int = 1) -> TransferQueueDataBus:
@@ -118,7 +128,7 @@ class TransferQueueDataBus(DataBus):
 
         units = {"num_data_storage_units": self.num_storage_units}
         tq.init(OmegaConf.create({"backend": {"SimpleStorage": units}}))
-        self._attached, self._checked_at = _ids(self._live_actors()), time.monotonic()
+        _PROCESS.attached, _PROCESS.checked_at = _ids(self._live_actors()), time.monotonic()
 
     def _stop_actors(self, timeout_s: float) -> None:
         """Kill what is left of the bus's actors (by name: this process's handles may be gone) and wait
@@ -156,7 +166,7 @@ class TransferQueueDataBus(DataBus):
     def _healthy(self) -> bool:
         """This process's client talks to the bus's actors, and they are alive."""
         try:
-            return _ids(self._live_actors()) == self._attached
+            return _ids(self._live_actors()) == _PROCESS.attached
         except DataBusDown:
             return False
 
@@ -165,17 +175,17 @@ class TransferQueueDataBus(DataBus):
         that died since the last check is dropped, and attached to the new ones."""
         import transfer_queue as tq
 
-        with self._lock:
-            if time.monotonic() - self._checked_at >= WATCH_S:
+        with _PROCESS.lock:
+            if time.monotonic() - _PROCESS.checked_at >= WATCH_S:
                 if not self._healthy():
                     actors = self._live_actors()  # DataBusDown while the bus is down
                     self._detach()
                     tq.init()  # attaches this process to the running controller
-                    self._attached = _ids(actors)
-                self._checked_at = time.monotonic()
-            if self._thread is None:
-                self._thread = _CallThread()
-            return self._thread
+                    _PROCESS.attached = _ids(actors)
+                _PROCESS.checked_at = time.monotonic()
+            if _PROCESS.thread is None:
+                _PROCESS.thread = _CallThread()
+            return _PROCESS.thread
 
     def _detach(self) -> None:
         """Forget this process's client without touching the actors (``tq.close()`` would kill the
@@ -186,10 +196,10 @@ class TransferQueueDataBus(DataBus):
         interface._TQ_CLIENT = interface._TQ_CONTROLLER = None
         if client is not None:
             threading.Thread(target=client.close, daemon=True).start()
-        if self._thread is not None:
-            self._thread.stop()
-            self._thread = None
-        self._attached = None
+        if _PROCESS.thread is not None:
+            _PROCESS.thread.stop()
+            _PROCESS.thread = None
+        _PROCESS.attached = None
 
     def _call(self, name: str, **kwargs: Any) -> Any:
         """``transfer_queue.<name>(**kwargs)``, watched: when it hangs because an actor of the bus died, it
@@ -201,7 +211,7 @@ class TransferQueueDataBus(DataBus):
             try:
                 return future.result(timeout=WATCH_S)
             except FutureTimeout:
-                with self._lock:
+                with _PROCESS.lock:
                     if self._healthy():
                         continue
                     self._detach()
@@ -212,7 +222,7 @@ class TransferQueueDataBus(DataBus):
         fresh, empty TransferQueue (every other process attaches to it at its next call)."""
         if not self._owner:
             return
-        with self._lock:
+        with _PROCESS.lock:
             if self._healthy():
                 return
             log.warning("health: an actor of TransferQueue died; starting a fresh TransferQueue")
@@ -289,9 +299,9 @@ class TransferQueueDataBus(DataBus):
 
             tq.close()
             self._owner = False
-        if self._thread is not None:
-            self._thread.stop()
-            self._thread = None
+            if _PROCESS.thread is not None:
+                _PROCESS.thread.stop()
+            _PROCESS.attached, _PROCESS.thread = None, None
 
 
 def _ids(actors: list[ray.actor.ActorHandle]) -> tuple:
