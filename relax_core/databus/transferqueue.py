@@ -177,8 +177,8 @@ class TransferQueueDataBus(DataBus):
 
         with _PROCESS.lock:
             if time.monotonic() - _PROCESS.checked_at >= WATCH_S:
-                if not self._healthy():
-                    actors = self._live_actors()  # DataBusDown while the bus is down
+                actors = self._live_actors()  # DataBusDown while the bus is down
+                if _ids(actors) != _PROCESS.attached:
                     self._detach()
                     tq.init()  # attaches this process to the running controller
                     _PROCESS.attached = _ids(actors)
@@ -299,9 +299,7 @@ class TransferQueueDataBus(DataBus):
 
             tq.close()
             self._owner = False
-            if _PROCESS.thread is not None:
-                _PROCESS.thread.stop()
-            _PROCESS.attached, _PROCESS.thread = None, None
+            self._detach()  # the client is closed; stop the call thread and forget the actors
 
 
 def _ids(actors: list[ray.actor.ActorHandle]) -> tuple:
