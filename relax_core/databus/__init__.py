@@ -22,6 +22,9 @@ from relax_core.databus.memory import InMemoryDataBus
 from relax_core.errors import RelaxUserError
 
 DATABUS_CHOICES = ["ray", "transferqueue", "memory"]
+# logical CPUs each bus's own actors reserve in Ray: the ray bus's server; TransferQueue's controller and its
+# one storage unit, 1 each (TransferQueue's own reservation)
+BUS_CPUS = {"ray": 0.1, "transferqueue": 2.0, "memory": 0.0}
 
 
 def start_databus(name: str) -> DataBus:
@@ -29,7 +32,7 @@ def start_databus(name: str) -> DataBus:
     if name == "ray":
         from relax_core.databus.ray_bus import RayDataBus
 
-        return RayDataBus.start(name="databus")
+        return RayDataBus.start(num_cpus=BUS_CPUS["ray"], name="databus")
     if name == "transferqueue":
         from relax_core.databus.transferqueue import TransferQueueDataBus
 

@@ -36,8 +36,6 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from relax_core.databus.base import DataBus, DataBusDown, Fields, PartitionCancelled
 from relax_core.errors import RelaxUserError
 
-# logical CPUs TransferQueue's own actors reserve: controller + one storage unit
-TQ_CPUS = 2.0
 # a cancelled partition holds this key, tagged CANCEL_TAG
 CANCEL_KEY, CANCEL_TAG = "~cancelled", "cancelled"
 # TransferQueue's named actors: its controller, and storage unit i (in the run's namespace)

@@ -36,7 +36,7 @@ from ray.util.placement_group import remove_placement_group
 
 from relax_core.algorithm_roles import dynamic_sampling_metrics
 from relax_core.algorithms.spec import requirements
-from relax_core.databus import DataBus, DataBusDown, partition_name, start_databus
+from relax_core.databus import BUS_CPUS, DataBus, DataBusDown, partition_name, start_databus
 from relax_core.databus.records import SAMPLE_FIELDS
 from relax_core.errors import RelaxUserError
 from relax_core.health import ACTOR_FAILURES, GlobalRestartNeeded
@@ -56,7 +56,6 @@ log = logging.getLogger("relax")
 # a role's process, or one of the data bus's, died under a call
 FAILURES = (*ACTOR_FAILURES, DataBusDown)
 
-BUS_CPUS = 0.1
 # roles that add fields to a step's rows between Rollout and Actor, in launch order
 HELPER_STAGES = ("critic", "teacher", "reference", "actor_fwd", "advantages")
 
@@ -154,12 +153,12 @@ class AsyncMode(Mode):
         helpers = 1 + len(needs.model_roles) * helper_ranks(t)
         world = actor_world_size(t)
         need = r.num_cpus * r.num_engines + t.num_cpus * world + m.aux_num_cpus * helpers
-        need += BUS_CPUS + (2.0 if m.databus == "transferqueue" else 0.0)
+        need += BUS_CPUS[m.databus]
         have = ray.cluster_resources().get("CPU", 0.0)
         if need > have + 1e-9:
             raise RelaxUserError(
                 f"mode=async needs {need:g} logical CPUs in Ray (rollout {r.num_cpus}x{r.num_engines}, actor "
-                f"{t.num_cpus}x{world}, helpers {m.aux_num_cpus} each{', TransferQueue 2' if m.databus == 'transferqueue' else ''}) "
+                f"{t.num_cpus}x{world}, helpers {m.aux_num_cpus} each, {m.databus} bus {BUS_CPUS[m.databus]:g}) "
                 f"but the cluster has {have:g}: raise cluster.num_cpus or lower rollout.num_cpus/trainer.num_cpus/mode.aux_num_cpus"
             )
 
