@@ -54,6 +54,7 @@ def run_experiment_on_ray(cfg: DictConfig, connect: Connect) -> Summary:
     if sweep_uri and config.logger.tracking_uri is None:
         config.logger.tracking_uri = cfg.logger.tracking_uri = sweep_uri
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    from relax_core.errors import RelaxUserError
     from relax_core.health import RunFailedError
     from relax_core.notify import Notifier
     from relax_core.run_loop import RunLoop
@@ -67,8 +68,11 @@ def run_experiment_on_ray(cfg: DictConfig, connect: Connect) -> Summary:
     try:
         summary = loop.run()
     except BaseException as err:
-        text = str(err) if isinstance(err, RunFailedError) else f"{type(err).__name__}: {err}"
-        log.error("%s", text)
+        text = (
+            str(err) if isinstance(err, RunFailedError | RelaxUserError) else f"{type(err).__name__}: {err}"
+        )
+        if not isinstance(err, RelaxUserError):  # the CLI reports those itself, once
+            log.error("%s", text)
         notifier.send("failure", f"run failed: {config.output_dir}\n{text}")
         raise
     finally:
