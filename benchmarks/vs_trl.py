@@ -33,7 +33,9 @@ One JSON line per (tool, seed):
 * ``rewards``: mean train reward per step; ``eval_reward`` / ``eval_accuracy``: greedy decoding of the 128
   eval prompts after the last step (reward and exact-match share).
 
-Then one ``summary`` line per tool (means over seeds) and ``<relax tool>_vs_trl`` (Relax / TRL ratios).
+Then one ``summary`` line per tool (means over seeds) and ``<relax tool>_vs_trl``: Relax / TRL ratios, and the
+greedy eval reward difference paired by seed (mean, standard error, seeds where Relax is higher). The plot
+draws each seed's reward curve up to 3 seeds per tool, else each tool's mean over seeds with a ±1 std band.
 
 Objective audit (TRL 1.16.0 ``trl/trainer/grpo_trainer.py`` and ``grpo_config.py`` read in its venv, against
 Relax's ``relax_core.algorithms``), at the settings above:
@@ -181,6 +183,8 @@ def build_inputs(folder: Path, seed: int) -> dict:
 # ---------------------------------------------------------------------------------------- Relax side
 # Relax's launchers the benchmark compares, by tool name
 RELAX_CLUSTERS = {"relax": "local", "relax_in_process": "in_process"}
+# the plot draws every seed's curve up to this many seeds per tool, else their mean and spread
+MAX_SEED_LINES = 3
 
 
 def run_relax(
@@ -403,26 +407,49 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = {"relax": "tab:blue", "relax_in_process": "tab:green", "trl": "tab:orange"}
-    lines = {(r["tool"], r["seed"]): r for r in results if "rewards" in r}
-    for (tool, seed), r in list(lines.items()):
-        on_ray = lines.get(("relax", seed))
-        if tool == "relax_in_process" and on_ray is not None and on_ray["rewards"] == r["rewards"]:
-            del lines[("relax", seed)]  # the same curve: one line names both launchers
-            lines[(tool, seed)] = r | {
-                "label": "relax = relax_in_process",
-                "s": f"{on_ray['s_per_step']:.3f} / ",
-            }
-    for r in lines.values():
-        speed = f"{r.get('s', '')}{r['s_per_step']:.3f} s/step"
-        label = f"{r.get('label', r['tool'])} seed {r['seed']} (eval {r['eval_reward']:.2f}, {speed})"
-        styles = ["-", "--", ":", "-."]
-        ax.plot(
-            range(1, len(r["rewards"]) + 1),
-            r["rewards"],
-            color=colors[r["tool"]],
-            ls=styles[r["seed"] % len(styles)],
-            lw=1.1,
-            label=label,
+    by_tool: dict[str, list[dict]] = {}
+    for r in results:
+        if "rewards" in r:
+            by_tool.setdefault(r["tool"], []).append(r)
+    ray_runs, in_process = by_tool.get("relax", []), by_tool.get("relax_in_process", [])
+    if ray_runs and [r["rewards"] for r in ray_runs] == [r["rewards"] for r in in_process]:
+        del by_tool["relax"]  # the same curves: one set of lines names both launchers
+    labels = {"relax_in_process": "relax = relax_in_process"} if "relax" not in by_tool and ray_runs else {}
+    ray_speed = {r["seed"]: r["s_per_step"] for r in ray_runs}
+    for tool, runs in by_tool.items():
+        name = labels.get(tool, tool)
+        if len(runs) <= MAX_SEED_LINES:  # one line per seed
+            for r in runs:
+                speed = f"{ray_speed[r['seed']]:.3f} / " if name != tool else ""
+                label = f"{name} seed {r['seed']} (eval {r['eval_reward']:.2f}, {speed}{r['s_per_step']:.3f} s/step)"
+                styles = ["-", "--", ":", "-."]
+                ax.plot(
+                    range(1, len(r["rewards"]) + 1),
+                    r["rewards"],
+                    color=colors[tool],
+                    ls=styles[r["seed"] % len(styles)],
+                    lw=1.1,
+                    label=label,
+                )
+            continue
+        # many seeds: their mean per step, a band of one standard deviation across seeds
+        steps = min(len(r["rewards"]) for r in runs)
+        per_step = [[r["rewards"][i] for r in runs] for i in range(steps)]
+        mean = [statistics.mean(v) for v in per_step]
+        std = [statistics.stdev(v) for v in per_step]
+        evals = [r["eval_reward"] for r in runs]
+        x = range(1, steps + 1)
+        label = (
+            f"{name}, mean of {len(runs)} seeds (eval {statistics.mean(evals):.3f} ± "
+            f"{statistics.stdev(evals):.3f}, {statistics.median(r['s_per_step'] for r in runs):.3f} s/step)"
+        )
+        ax.plot(x, mean, color=colors[tool], lw=1.3, label=label)
+        ax.fill_between(
+            x,
+            [m - d for m, d in zip(mean, std)],
+            [m + d for m, d in zip(mean, std)],
+            color=colors[tool],
+            alpha=0.2,
         )
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean train reward (digits, partial credit)")
@@ -454,13 +481,24 @@ def summarize(results: list[dict]) -> list[dict]:
                 f"{k}_ratio": round(relax[k] / trl[k], 3)
                 for k in ("s_per_step", "train_s_per_step", "peak_rss_mb")
             }
-            lines.append(
-                {
-                    f"{tool}_vs_trl": ratios
-                    | {"eval_reward_diff": round(relax["eval_reward"] - trl["eval_reward"], 4)}
-                }
-            )
+            lines.append({f"{tool}_vs_trl": ratios | paired_eval_difference(by_tool[tool], by_tool["trl"])})
     return lines
+
+
+def paired_eval_difference(relax: list[dict], trl: list[dict]) -> dict:
+    """Greedy eval reward, Relax − TRL, paired by seed (both tools are deterministic per seed, so the spread
+    is the seeds'): mean, its standard error (from 2 seeds on) and on how many seeds Relax is higher."""
+    trl_eval = {r["seed"]: r["eval_reward"] for r in trl}
+    diffs = [r["eval_reward"] - trl_eval[r["seed"]] for r in relax if r["seed"] in trl_eval]
+    if not diffs:
+        return {}
+    out = {
+        "eval_reward_diff": round(statistics.mean(diffs), 4),
+        "seeds_relax_higher": sum(d > 0 for d in diffs),
+    }
+    if len(diffs) > 1:
+        out["eval_reward_diff_se"] = round(statistics.stdev(diffs) / len(diffs) ** 0.5, 4)
+    return out
 
 
 def main() -> None:
