@@ -185,6 +185,7 @@ def build_inputs(folder: Path, seed: int) -> dict:
 RELAX_CLUSTERS = {"relax": "local", "relax_in_process": "in_process"}
 # the plot draws every seed's curve up to this many seeds per tool, else their mean and spread
 MAX_SEED_LINES = 3
+SEED_STYLES = ["-", "--", ":", "-."]
 
 
 def run_relax(
@@ -422,12 +423,11 @@ def plot(results: list[dict], path: Path) -> None:
             for r in runs:
                 speed = f"{ray_speed[r['seed']]:.3f} / " if name != tool else ""
                 label = f"{name} seed {r['seed']} (eval {r['eval_reward']:.2f}, {speed}{r['s_per_step']:.3f} s/step)"
-                styles = ["-", "--", ":", "-."]
                 ax.plot(
                     range(1, len(r["rewards"]) + 1),
                     r["rewards"],
                     color=colors[tool],
-                    ls=styles[r["seed"] % len(styles)],
+                    ls=SEED_STYLES[r["seed"] % len(SEED_STYLES)],
                     lw=1.1,
                     label=label,
                 )
