@@ -17,7 +17,10 @@ a shared machine. vLLM runs as ``rollout=vllm`` does: a server process in its ow
 client (its numbers include the HTTP hop). ``--weight-updates N`` times N weight pushes per engine and
 strategy (torch: in-process ``load_state_dict``; vllm: ``distributed`` gloo broadcast and ``disk``), one
 ``weight_update_s`` line each (vLLM's on the server its throughput was measured on).
-Run: ``python benchmarks/rollout_throughput.py [--sizes tiny,25m] [--measure-roof] [--weight-updates 3]``.
+``--ceiling`` adds, per model and dtype, the most tokens/s any engine could reach on this machine (see
+:func:`decode_ceiling`), so a speed-up goal can be checked against what the hardware allows.
+Run: ``python benchmarks/rollout_throughput.py [--sizes tiny,25m] [--measure-roof] [--ceiling]
+[--weight-updates 3]``.
 """
 
 from __future__ import annotations
@@ -77,6 +80,55 @@ def measure_roof(dtype: torch.dtype, seconds: float = 2.0) -> float:
 
 def prompts_for(tokenizer, count: int) -> list[list[int]]:
     return [tokenizer(f"sort {(i * 7919) % 100000}:").input_ids for i in range(count)]
+
+
+def read_bandwidth(dtype: torch.dtype, mib: int = 256, seconds: float = 1.0) -> float:
+    """Bytes per second this machine streams from memory: repeated sums over a buffer far larger than caches."""
+    buffer = torch.ones(mib * 2**20 // torch.finfo(dtype).bits * 8, dtype=dtype)
+    buffer.sum()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        buffer.sum()
+        n += 1
+    return n * buffer.numel() * buffer.element_size() / (time.perf_counter() - t0)
+
+
+def decode_ceiling(model, prompts, n: int, new_tokens: int, dtype: torch.dtype) -> dict:
+    """The most tokens/s any engine can decode this workload at on this machine, from two costs no engine
+    avoids: every generated token's projection matmuls (timed at the workload's batch of ``len(prompts) * n``
+    rows on the model's own weight shapes) and reading the K/V cache once per step at the measured memory
+    bandwidth, each prompt's K/V counted once for its ``n`` samples (as if shared). Prefill, attention
+    arithmetic, norms and sampling are left out, so real engines stay below it."""
+    cfg, rows = model.config, len(prompts) * n
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q_kv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim
+    shapes = [(q_kv, cfg.hidden_size), (cfg.hidden_size, cfg.num_attention_heads * head_dim)]
+    shapes += [(2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
+    weights = [torch.randn(s, dtype=dtype) for s in shapes for _ in range(cfg.num_hidden_layers)]
+    weights.append(model.lm_head.weight.detach().to(dtype))
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in weights}
+    matmul_s = float("inf")
+    for _ in range(4):  # the first pass warms up; the fastest counts
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            for w in weights:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+        matmul_s = min(matmul_s, time.perf_counter() - t0)
+    elem = torch.finfo(dtype).bits // 8
+    per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem  # K and V
+    prompt_positions = sum(len(p) for p in prompts)
+    kv_bytes = per_position * sum(prompt_positions + rows * step for step in range(new_tokens))
+    bandwidth = read_bandwidth(dtype)
+    seconds = matmul_s + kv_bytes / bandwidth
+    return {
+        "matmul_s": round(matmul_s, 3),
+        "kv_bytes": kv_bytes,
+        "read_gb_per_s": round(bandwidth / 1e9, 1),
+        "kv_read_s": round(kv_bytes / bandwidth, 3),
+        "seconds": round(seconds, 3),
+        "tokens": rows * new_tokens,
+        "tokens_per_s": round(rows * new_tokens / seconds, 1),
+    }
 
 
 def run_ours(model, tokenizer, prompts, n, new_tokens, dtype, repeats: int) -> tuple[float, int]:
@@ -176,6 +228,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also print the decode ceiling of this machine for the workload (see decode_ceiling)",
+    )
+    parser.add_argument(
         "--weight-updates", type=int, default=0, help="time this many weight pushes per engine"
     )
     args = parser.parse_args()
@@ -249,6 +306,14 @@ def main() -> None:
             }
             print(json.dumps(line), flush=True)
             results.append(line)
+        if args.ceiling:
+            for dtype in dict.fromkeys(dtype for _, dtype in runs):
+                ceiling = decode_ceiling(
+                    load_causal_lm(path), prompts, args.samples, args.new_tokens, getattr(torch, dtype)
+                )
+                line = {"model": size, "params": params, "engine": "ceiling", "dtype": dtype, **ceiling}
+                print(json.dumps(line), flush=True)
+                results.append(line)
         if hf_rate:  # one summary line per model: speed-ups over HF generate()
             speedups = {f"{r['engine']}/{r['dtype']}": round(r["tokens_per_s"] / hf_rate, 2) for r in results}
             print(json.dumps({"model": size, "speedup_vs_hf": speedups}), flush=True)
