@@ -30,6 +30,9 @@ One JSON line per (tool, seed):
 * ``peak_rss_mb``: peak of the summed RSS of the process and all its descendants (Ray's GCS, raylet and
   workers for Relax), sampled every 50 ms. Summed RSS counts shared pages once per process, so it
   overstates multi-process runs somewhat; it is the number a user's memory monitor shows.
+* ``peak_pss_mb``: the same tree's peak summed PSS (proportional set size: a page shared by k processes
+  counts 1/k in each, so the sum is the RAM the run really holds), sampled every 0.5 s since reading it
+  costs more.
 * ``rewards``: mean train reward per step; ``eval_reward`` / ``eval_accuracy``: greedy decoding of the 128
   eval prompts after the last step (reward and exact-match share).
 
@@ -92,16 +95,18 @@ PROMPTS, SAMPLES, NEW_TOKENS, LR, BETA2 = 16, 8, 8, 1e-3, 0.99
 
 
 # ---------------------------------------------------------------------------------------- measurement
-class PeakTreeRss(threading.Thread):
-    """Peak of the summed RSS of ``pid`` and its descendants; remembers every process it saw."""
+class PeakTreeMemory(threading.Thread):
+    """Peaks of the summed RSS and PSS of ``pid`` and its descendants; remembers every process it saw."""
 
-    def __init__(self, pid: int, interval_s: float = 0.05) -> None:
+    def __init__(self, pid: int, interval_s: float = 0.05, pss_every: int = 10) -> None:
         super().__init__(daemon=True)
         import psutil
 
         self.root = psutil.Process(pid)
         self.interval_s = interval_s
         self.peak_bytes = 0
+        self.pss_every = pss_every
+        self.peak_pss_bytes = 0
         self.peak_by_process: dict[str, int] = {}  # RSS per process at the peak, by process title
         self.seen: dict[int, object] = {}
         self._stop_event = threading.Event()
@@ -109,20 +114,24 @@ class PeakTreeRss(threading.Thread):
     def run(self) -> None:
         import psutil
 
+        sample = 0
         while not self._stop_event.is_set():
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 break
-            sizes = {}
+            sizes, pss = {}, 0
             for p in procs:
                 try:
                     sizes[f"{p.pid} {' '.join(p.cmdline())[:80]}"] = p.memory_info().rss
+                    pss += p.memory_full_info().pss if sample % self.pss_every == 0 else 0
                     self.seen.setdefault(p.pid, p)
                 except psutil.Error:
                     pass
             if sum(sizes.values()) > self.peak_bytes:
                 self.peak_bytes, self.peak_by_process = sum(sizes.values()), sizes
+            self.peak_pss_bytes = max(self.peak_pss_bytes, pss)
+            sample += 1
             self._stop_event.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -142,13 +151,13 @@ class PeakTreeRss(threading.Thread):
         return len(left)
 
 
-def run_measured(cmd: list[str], log_path: Path, env: dict[str, str]) -> tuple[int, float, float]:
-    """Run ``cmd`` to completion: (return code, wall seconds, peak process-tree RSS in MB); the RSS of each
-    process at that peak goes to ``<log>.rss.json``."""
+def run_measured(cmd: list[str], log_path: Path, env: dict[str, str]) -> tuple[int, float, float, float]:
+    """Run ``cmd`` to completion: (return code, wall seconds, peak process-tree RSS and PSS in MB); the RSS of
+    each process at the RSS peak goes to ``<log>.rss.json``."""
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        monitor = PeakTreeRss(proc.pid)
+        monitor = PeakTreeMemory(proc.pid)
         monitor.start()
         code = proc.wait()
     wall = time.perf_counter() - t0
@@ -158,7 +167,7 @@ def run_measured(cmd: list[str], log_path: Path, env: dict[str, str]) -> tuple[i
         k: round(v / 2**20) for k, v in sorted(monitor.peak_by_process.items(), key=lambda kv: -kv[1])
     }
     log_path.with_suffix(".rss.json").write_text(json.dumps(by_process, indent=1))
-    return code, wall, monitor.peak_bytes / 2**20
+    return code, wall, monitor.peak_bytes / 2**20, monitor.peak_pss_bytes / 2**20
 
 
 def median_after(values: list[float], warmup: int) -> float:
@@ -221,7 +230,7 @@ def run_relax(
         f"hydra.run.dir={out}",
         *overrides,
     ]
-    code, wall, peak = run_measured(cmd, out.with_suffix(".log"), ENV)
+    code, wall, peak, peak_pss = run_measured(cmd, out.with_suffix(".log"), ENV)
     if code != 0:
         return {"tool": tool, "seed": seed, "error": out.with_suffix(".log").read_text()[-3000:]}
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -237,6 +246,7 @@ def run_relax(
         "weight_sync_s_per_step": round(median_after([r["time/weight_sync_s"] for r in rl], warmup), 4),
         "total_wall_s": round(wall, 1),
         "peak_rss_mb": round(peak),
+        "peak_pss_mb": round(peak_pss),
         "eval_reward": round(last["eval/reward"], 4),
         "eval_accuracy": round(last["eval/accuracy"], 4),
         "rewards": [round(r["reward/mean"], 4) for r in rl],
@@ -281,7 +291,7 @@ def run_trl(python: Path, inputs: dict, steps: int, seed: int, out: Path, warmup
     # PYTHONPATH: the worker imports relax_rewards (pure Python) for the very same reward function
     env = ENV | {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     cmd = [str(python), str(Path(__file__).resolve()), "--trl-worker", str(out / "spec.json")]
-    code, wall, peak = run_measured(cmd, out / "run.log", env)
+    code, wall, peak, peak_pss = run_measured(cmd, out / "run.log", env)
     if code != 0:
         return {"tool": "trl", "seed": seed, "error": (out / "run.log").read_text()[-3000:]}
     result = json.loads((out / "result.json").read_text())
@@ -296,6 +306,7 @@ def run_trl(python: Path, inputs: dict, steps: int, seed: int, out: Path, warmup
         "rollout_s_per_step": round(median_after(result["generate_s"], warmup), 4),
         "total_wall_s": round(wall, 1),
         "peak_rss_mb": round(peak),
+        "peak_pss_mb": round(peak_pss),
         "eval_reward": round(result["eval_reward"], 4),
         "eval_accuracy": round(result["eval_accuracy"], 4),
         "rewards": [round(r, 4) for r in result["rewards"]],
@@ -464,7 +475,8 @@ def plot(results: list[dict], path: Path) -> None:
 
 def summarize(results: list[dict]) -> list[dict]:
     """Means over seeds per tool, then Relax / TRL ratios (< 1: Relax is faster / smaller)."""
-    keys = ["s_per_step", "train_s_per_step", "total_wall_s", "peak_rss_mb", "eval_reward", "eval_accuracy"]
+    keys = ["s_per_step", "train_s_per_step", "total_wall_s", "peak_rss_mb", "peak_pss_mb"]
+    keys += ["eval_reward", "eval_accuracy"]
     by_tool: dict[str, list[dict]] = {}
     for r in results:
         if "error" not in r:
@@ -479,7 +491,7 @@ def summarize(results: list[dict]) -> list[dict]:
             relax, trl = means[tool], means["trl"]
             ratios = {
                 f"{k}_ratio": round(relax[k] / trl[k], 3)
-                for k in ("s_per_step", "train_s_per_step", "peak_rss_mb")
+                for k in ("s_per_step", "train_s_per_step", "peak_rss_mb", "peak_pss_mb")
             }
             lines.append({f"{tool}_vs_trl": ratios | paired_eval_difference(by_tool[tool], by_tool["trl"])})
     return lines
