@@ -45,6 +45,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` right now ("" for every interface of this node), outside the ephemeral
     range, never one this process handed out before."""
     candidates = _candidate_ports()
+    if len(candidates) < 1000:  # the ephemeral range covers (nearly) every port: let the kernel choose
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
     for _ in range(200):
         port = _draw.choice(candidates)
         if port not in _given and _bindable(host, port):

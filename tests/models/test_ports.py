@@ -14,3 +14,12 @@ def test_ports_are_distinct_bindable_and_outside_the_ephemeral_and_ray_worker_ra
     assert all(p > RAY_WORKER_PORTS_END and not low <= p <= high for p in ports)
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[-1]))
+
+
+def test_a_host_whose_ephemeral_range_covers_every_port_gets_a_kernel_chosen_port(monkeypatch) -> None:
+    import relax_models.ports as ports
+
+    monkeypatch.setattr(ports, "_ephemeral_range", lambda: (1024, 65535))
+    port = ports.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
