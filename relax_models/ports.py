@@ -32,13 +32,14 @@ def _candidate_ports() -> range:
     return range(high + 1, 65536)  # a host whose ephemeral range starts low: the ports above it
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bound_port(host: str, port: int) -> int | None:
+    """The port a socket gets when bound to ``(host, port)`` (0: the kernel's choice), None if it cannot."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
         except OSError:
-            return False
-    return True
+            return None
+        return s.getsockname()[1]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,12 +47,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     range, never one this process handed out before."""
     candidates = _candidate_ports()
     if len(candidates) < 1000:  # the ephemeral range covers (nearly) every port: let the kernel choose
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
+        candidates = range(1)  # port 0
     for _ in range(200):
-        port = _draw.choice(candidates)
-        if port not in _given and _bindable(host, port):
+        port = _bound_port(host, _draw.choice(candidates))
+        if port is not None and port not in _given:
             _given.add(port)
             return port
     raise RuntimeError(
