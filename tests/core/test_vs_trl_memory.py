@@ -20,7 +20,7 @@ hold = b"x" * (150 * 2**20)
 child = "import time; hold = b'x' * (150 * 2**20); print('ready', flush=True); time.sleep(60)"
 proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE)
 proc.stdout.readline()  # both buffers are resident now
-time.sleep(0.5)  # a few samples of the monitor
+time.sleep(1.5)  # a few samples of the monitor (it reads PSS every 0.5 s)
 """
 
 
