@@ -68,14 +68,19 @@ def flops_per_token(model: torch.nn.Module, mean_context: float) -> float:
     return 2.0 * (body + lm_head) + attn
 
 
-def measure_roof(dtype: torch.dtype, seconds: float = 2.0) -> float:
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    a @ b
+def calls_per_second(op, seconds: float) -> float:
+    """How often ``op()`` runs per second, over ``seconds`` after one warm-up call."""
+    op()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        a @ b
+        op()
         n += 1
-    return 2 * 2048**3 * n / (time.perf_counter() - t0) / 1e9
+    return n / (time.perf_counter() - t0)
+
+
+def measure_roof(dtype: torch.dtype, seconds: float = 2.0) -> float:
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    return 2 * 2048**3 * calls_per_second(lambda: a @ b, seconds) / 1e9
 
 
 def prompts_for(tokenizer, count: int) -> list[list[int]]:
@@ -85,12 +90,7 @@ def prompts_for(tokenizer, count: int) -> list[list[int]]:
 def read_bandwidth(dtype: torch.dtype, mib: int = 256, seconds: float = 1.0) -> float:
     """Bytes per second this machine streams from memory: repeated sums over a buffer far larger than caches."""
     buffer = torch.ones(mib * 2**20 // torch.finfo(dtype).bits * 8, dtype=dtype)
-    buffer.sum()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        buffer.sum()
-        n += 1
-    return n * buffer.numel() * buffer.element_size() / (time.perf_counter() - t0)
+    return buffer.numel() * buffer.element_size() * calls_per_second(buffer.sum, seconds)
 
 
 def decode_ceiling(model, prompts, n: int, new_tokens: int, dtype: torch.dtype) -> dict:
