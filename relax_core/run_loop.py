@@ -219,20 +219,13 @@ class RunLoop:
             if t.save_every and resume_from is None:  # step 0: what a global restart falls back to
                 self.save(0, evals)
             self.health.start()
-            while step <= t.total_steps:
+            while True:
                 try:
-                    for done, metrics in self.mode.steps(step, self.evaluate):
-                        self.after_step(done, metrics, evals)
-                        step = done + 1
-                        if (
-                            STOP_REQUEST.is_set() and done < t.total_steps
-                        ):  # preempted: saved, the job requeues
-                            summary = {"status": "preempted", "steps": done, "output_dir": cfg.output_dir}
-                            return summary
-                except GlobalRestartNeeded as why:  # a dead Actor: everything restarts from a checkpoint
+                    summary = self.train(step, evals) or self.summarize(init_eval, start_eval, resume_from)
+                    return summary
+                except GlobalRestartNeeded as why:
+                    # a dead Actor, in a step or in the final export: everything restarts from a checkpoint
                     step = self.restart_everything(str(why)) + 1
-            summary = self.summarize(init_eval, start_eval, resume_from)
-            return summary
         finally:
             self.health.stop()
             if control_plane is not None:
@@ -242,6 +235,15 @@ class RunLoop:
                 {k: v for k, v in summary.items() if v is not None},
                 "FINISHED" if summary["status"] == "finished" else "FAILED",
             )
+
+    def train(self, first: int, evals: dict[str, Any]) -> dict[str, Any] | None:
+        """RL steps ``first``..``trainer.total_steps``; the summary of a preempted run when a stop request
+        cut them short (saved: the job requeues)."""
+        for done, metrics in self.mode.steps(first, self.evaluate):
+            self.after_step(done, metrics, evals)
+            if STOP_REQUEST.is_set() and done < self.cfg.trainer.total_steps:
+                return {"status": "preempted", "steps": done, "output_dir": self.cfg.output_dir}
+        return None
 
     def after_step(self, step: int, metrics: dict[str, float], evals: dict[str, Any]) -> None:
         """Evaluate when due, log, checkpoint when due (or when a preemption asks for it)."""
@@ -262,10 +264,12 @@ class RunLoop:
         cfg, t = self.cfg, self.cfg.trainer
         rewards = [r["reward/mean"] for r in self.sink.history if "reward/mean" in r]
         if t.export_final_model:
-            self.mode.roles.actor.call_collective("export_hf", f"{cfg.output_dir}/final_model")
+            self.health.guarded(
+                lambda: self.mode.roles.actor.call_collective("export_hf", f"{cfg.output_dir}/final_model")
+            )
         final_eval = self.sink.history[-1] if self.sink.history else {}
         if "eval/accuracy" not in final_eval:
-            final_eval = self.evaluate()
+            final_eval = self.health.guarded(self.evaluate)
         tenth = max(1, len(rewards) // 10)
         summary = {
             "status": "finished",

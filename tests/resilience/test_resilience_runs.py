@@ -118,8 +118,7 @@ def test_killed_fused_actor_and_engine_process_resumes_from_checkpoint(tmp_path:
     """Colocate's default puts the Actor and its engine in one process: killing it loses the Actor, so the
     run restarts every role from the last checkpoint and still runs every step once."""
     run_dir = tmp_path / "run"
-    # steps of this tiny run take ~0.05 s: enough of them after the kill's trigger that it lands mid-run,
-    # not in the final export (which no restart covers)
+    # steps of this tiny run take ~0.05 s: enough of them after the kill's trigger that it lands mid-run
     cfg = compose([*TINY_RUN, "trainer.total_steps=20", "trainer.save_every=2"], run_dir)
     kills: list = []
     killer = _kill_when(run_dir, 3, "actor-rollout-0", kills)
@@ -129,6 +128,40 @@ def test_killed_fused_actor_and_engine_process_resumes_from_checkpoint(tmp_path:
     assert [k[0] for k in kills] == ["actor-rollout-0"], kills
     assert summary["status"] == "finished" and summary["health_global_restarts"] == 1
     assert _steps(run_dir) == list(range(0, 21))
+
+
+def test_actor_killed_after_the_last_step_still_exports_the_trained_model(tmp_path: Path) -> None:
+    """A death after the last step (in the final export or eval) restarts every role from the final step's
+    checkpoint and exports again: the run finishes with the trained weights, no step run twice."""
+    import time
+
+    run_dir = tmp_path / "run"
+    cfg = compose([*TINY_RUN, "trainer.total_steps=4", "trainer.save_every=2"], run_dir)
+    final_ckpt = run_dir / "checkpoints/step_000004"
+    kills: list = []
+
+    def kill_after_the_final_checkpoint() -> None:
+        wait_for_step(run_dir, 1)
+        pid = actor_pid("actor-rollout-0")  # looked up early: the kill must follow the checkpoint closely
+        while not final_ckpt.exists():
+            time.sleep(0.005)
+        os.kill(pid, signal.SIGKILL)
+        kills.append(pid)
+
+    killer = threading.Thread(target=kill_after_the_final_checkpoint, daemon=True)
+    killer.start()
+    summary = run_experiment(cfg)
+    killer.join(timeout=5)
+
+    assert len(kills) == 1
+    assert summary["status"] == "finished" and summary["health_global_restarts"] == 1, summary
+    assert _steps(run_dir) == [0, 1, 2, 3, 4]
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_model").state_dict()
+    trained = torch.load(final_ckpt / "actor/backend.pt", weights_only=False)["model"]
+    for name, tensor in trained.items():
+        assert torch.equal(exported[name], tensor), name
 
 
 def test_run_gives_up_after_max_global_restarts_with_a_report(tmp_path: Path) -> None:
