@@ -101,8 +101,9 @@ class MetricsSink:
                     self.tensorboard.add_scalar(key, value, global_step=step)
             self.tensorboard.flush()
 
-    def plot(self) -> Path | None:
-        """PNG of the reward per step (mean ± std band) and the eval accuracy points."""
+    def plot(self, final_eval: float | None = None) -> Path | None:
+        """PNG of the reward per step (mean ± std band) and the eval accuracy points; ``final_eval`` (the
+        summary's, taken after the last step when no eval was due then) is drawn at the last step."""
         steps = [r for r in self.history if "reward/mean" in r]
         if not steps:
             return None
@@ -124,11 +125,11 @@ class MetricsSink:
             alpha=0.12,
             label="± std",
         )
-        evals = [r for r in self.history if "eval/accuracy" in r]
+        evals = self.eval_points(final_eval)
         if evals:
             ax.plot(
-                [r["step"] for r in evals],
-                [r["eval/accuracy"] for r in evals],
+                [step for step, _ in evals],
+                [accuracy for _, accuracy in evals],
                 "o-",
                 color="tab:red",
                 label="eval accuracy (greedy, held-out)",
@@ -145,9 +146,17 @@ class MetricsSink:
         plt.close(fig)
         return path
 
+    def eval_points(self, final_eval: float | None = None) -> list[tuple[int, float]]:
+        """(step, eval accuracy) per logged eval, then ``final_eval`` at the last step if none is there."""
+        points = [(int(r["step"]), r["eval/accuracy"]) for r in self.history if "eval/accuracy" in r]
+        last = max((int(r["step"]) for r in self.history), default=0)
+        if final_eval is not None and (not points or points[-1][0] < last):
+            points.append((last, final_eval))
+        return points
+
     def finish(self, summary: dict[str, Any], status: str = "FINISHED") -> None:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot = self.plot() if self.cfg.logger.plot else None
+        plot = self.plot(summary.get("eval_accuracy_final")) if self.cfg.logger.plot else None
         if self.mlflow:
             self.mlflow.log_metrics(
                 {f"summary/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}

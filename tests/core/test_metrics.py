@@ -96,6 +96,22 @@ def test_sink_writes_jsonl_mlflow_and_plot(make_cfg, tmp_path: Path) -> None:
     assert mlflow.active_run() is None
 
 
+def test_final_eval_taken_after_the_last_step_is_plotted_there(make_cfg, tmp_path: Path) -> None:
+    """With ``trainer.eval_every=0`` the only evals are the one before training and the summary's final one,
+    taken after the last step: the plot shows both."""
+    cfg = make_cfg("logger=jsonl")
+    sink = MetricsSink(cfg, resolved_of(cfg))
+    sink.log(0, {"eval/accuracy": 0.125})
+    for step in (1, 2, 3):
+        sink.log(step, step_metrics(step))
+    assert sink.eval_points() == [(0, 0.125)]
+    assert sink.eval_points(0.75) == [(0, 0.125), (3, 0.75)]
+    sink.log(3, {"eval/accuracy": 0.5})  # an eval logged at the last step is the one drawn there
+    assert sink.eval_points(0.75) == [(0, 0.125), (3, 0.5)]
+    sink.finish({"status": "finished", "steps": 3, "eval_accuracy_final": 0.75})
+    assert (tmp_path / "reward_curve.png").read_bytes()[:8] == PNG_MAGIC
+
+
 def test_failed_run_is_marked_failed(make_cfg, tmp_path: Path) -> None:
     cfg = make_cfg()
     sink = MetricsSink(cfg, resolved_of(cfg))
