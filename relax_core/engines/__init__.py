@@ -44,6 +44,7 @@ def build_engine(
             family=family,
             max_running=rollout_cfg.max_running if rollout_cfg is not None else 1024,
             dtype=dtype,
+            native_kernels=rollout_cfg.native_kernels if rollout_cfg is not None else False,
         )
     if name == "sglang":
         from relax_core.engines.sglang import SGLangEngine

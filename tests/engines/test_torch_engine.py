@@ -10,31 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engine_helpers import make_engine
+from engine_helpers import greedy_loop, make_engine, reqs
 from PIL import Image
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.torch_engine import TorchEngine, filter_logits, sample_tokens
 from relax_core.samples import Sample, TrainBatch
-
-PROMPTS = ["sort 31524:", "sort 9:", "hello there, sort 8080:", "x"]
-
-
-def reqs(tokenizer, prompts=PROMPTS) -> list[GenerationRequest]:
-    return [GenerationRequest(tokenizer(p).input_ids, f"r{i}") for i, p in enumerate(prompts)]
-
-
-@torch.no_grad()
-def greedy_loop(model, ids: list[int], steps: int, forward_kwargs=None) -> list[int]:
-    """Argmax decoding re-running the whole sequence every step (no cache, no batching)."""
-    ids = list(ids)
-    start = len(ids)
-    for _ in range(steps):
-        x = torch.tensor([ids])
-        kwargs = forward_kwargs(x) if forward_kwargs else {}
-        ids.append(int(model(input_ids=x, **kwargs).logits[0, -1].argmax()))
-    return ids[start:]
 
 
 def test_engine_logprobs_match_training_recomputation(tiny_model_dir: Path, tokenizer, model) -> None:

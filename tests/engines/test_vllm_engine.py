@@ -19,11 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from engine_helpers import reqs as requests
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
 from relax_core.config import ModelConfig, RolloutConfig
 from relax_core.engines import build_engine
-from relax_core.engines.base import GenerationRequest, SamplingParams
+from relax_core.engines.base import SamplingParams
 from relax_core.engines.server_process import group_members
 from relax_core.engines.vllm import VLLMEngine, logprobs_mode, vllm_python, vllm_unavailable_reason
 from relax_core.errors import RelaxUserError
@@ -35,7 +36,6 @@ REASON = vllm_unavailable_reason()
 needs_vllm = pytest.mark.skipif(
     REASON is not None and not os.environ.get("RELAX_REQUIRE_VLLM"), reason=str(REASON)
 )
-PROMPTS = ["sort 31524:", "sort 9:", "hello there, sort 8080:", "x"]
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +43,6 @@ def engine(tiny_model_dir: Path):
     engine = VLLMEngine(str(tiny_model_dir), seed=0, dtype="float32", kv_cache_mib=64)
     yield engine
     engine.shutdown()
-
-
-def requests(tokenizer, prompts=PROMPTS) -> list[GenerationRequest]:
-    return [GenerationRequest(tokenizer(p).input_ids, f"r{i}") for i, p in enumerate(prompts)]
 
 
 @torch.no_grad()

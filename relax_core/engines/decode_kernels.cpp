@@ -1,0 +1,194 @@
+// Fused fp32 CPU kernels for the torch engine's decode step (relax_core/engines/native_decode.py builds them).
+//
+// Eager PyTorch spends most of a small model's decode step outside its matmuls: attention over the slot
+// cache runs as two batched matmuls of tiny matrices plus mask, softmax and two scattered cache writes, and
+// each norm or activation is several passes over memory. These kernels do each of those in one pass:
+//   decode_attention: per (slot, KV head): q/k RMS norm and rotary, the new K/V written into the cache, and
+//                     softmax attention of the head's G query heads over positions 0..len, reading every
+//                     cached key and value row once;
+//   rms_norm:         x * rsqrt(mean(x^2) + eps) * w per row;
+//   silu_mul:         silu(gate) * up for a fused [gate | up] projection.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0, branch-free so the loops calling it vectorize: 2^k * p(f) with k = floor(x log2 e),
+// f in [0, 1) and a degree-6 polynomial for 2^f (relative error below 2e-7).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float y = x * 1.44269504088896341f;
+  const float k = std::floor(y);
+  const float f = y - k;
+  float p = 1.535336188e-4f;
+  p = p * f + 1.339887440e-3f;
+  p = p * f + 9.618437357e-3f;
+  p = p * f + 5.550332471e-2f;
+  p = p * f + 2.402264791e-1f;
+  p = p * f + 6.931472028e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// RMS-normalise one head (weight w), then rotate it: out = n cos + rotate_half(n) sin_signed.
+template <int64_t D>
+inline void norm_rotate(const float* x, const float* w, const float* cos, const float* sin_signed, float eps,
+                        float* out) {
+  float sum_sq = 0.f;
+  for (int64_t d = 0; d < D; ++d) sum_sq += x[d] * x[d];
+  const float inv = 1.f / std::sqrt(sum_sq / D + eps);
+  float n[D];
+  for (int64_t d = 0; d < D; ++d) n[d] = x[d] * inv * w[d];
+  constexpr int64_t half = D / 2;
+  for (int64_t d = 0; d < half; ++d) out[d] = n[d] * cos[d] + n[d + half] * sin_signed[d];
+  for (int64_t d = half; d < D; ++d) out[d] = n[d] * cos[d] + n[d - half] * sin_signed[d];
+}
+
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+
+// One slot's KV head h: write the new key/value at position len, attend its G query heads over 0..len.
+template <int64_t D>
+void attend_head(const float* qkv, float* K, float* V, int64_t len, int64_t H, int64_t Hkv, int64_t h,
+                 const float* cos, const float* sin_signed, const float* norm_w, float eps, float* scores,
+                 float* out) {
+  const int64_t G = H / Hkv, n = len + 1;
+  norm_rotate<D>(qkv + (H + h) * D, norm_w + (H + h) * D, cos, sin_signed, eps, K + len * D);
+  std::memcpy(V + len * D, qkv + (H + Hkv + h) * D, D * sizeof(float));
+  alignas(64) float q[kMaxGroup][D];
+  for (int64_t g = 0; g < G; ++g) {
+    norm_rotate<D>(qkv + (h * G + g) * D, norm_w + (h * G + g) * D, cos, sin_signed, eps, q[g]);
+  }
+  for (int64_t t = 0; t < n; ++t) {  // every key row read once for the G query heads
+    const float* key = K + t * D;
+    for (int64_t g = 0; g < G; ++g) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += q[g][d] * key[d];
+      scores[g * n + t] = dot;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    float top = s[0];
+    for (int64_t t = 1; t < n; ++t) top = std::max(top, s[t]);
+    float total = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = exp_nonpositive(s[t] - top);
+      total += s[t];
+    }
+    const float inv = 1.f / total;
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+  }
+  alignas(64) float acc[kMaxGroup][D] = {};
+  for (int64_t t = 0; t < n; ++t) {  // every value row read once
+    const float* value = V + t * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + t];
+      for (int64_t d = 0; d < D; ++d) acc[g][d] += p * value[d];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) std::memcpy(out + (h * G + g) * D, acc[g], D * sizeof(float));
+}
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name,
+              " must be a contiguous float32 CPU tensor");
+}
+
+}  // namespace
+
+// qkv [R, (H + 2 Hkv) D] (one row per live slot, slots 0..R-1); k_cache, v_cache [S, Hkv, T, D] (one layer);
+// lens [R] int64: each slot's position of the new token; cos, sin_signed [T, D]: rotary tables per position;
+// norm_w [H + Hkv, D]: q norm weights (attention scaling folded in), then k norm weights. Returns [R, H D].
+torch::Tensor decode_attention(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                               const torch::Tensor& lens, const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                               const torch::Tensor& norm_w, double eps, int64_t n_heads) {
+  check_f32(qkv, "qkv");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  check_f32(cos, "cos");
+  check_f32(sin_signed, "sin_signed");
+  check_f32(norm_w, "norm_w");
+  TORCH_CHECK(lens.scalar_type() == torch::kInt64 && lens.is_contiguous(), "lens must be contiguous int64");
+  const int64_t R = qkv.size(0), Hkv = k_cache.size(1), T = k_cache.size(2), D = k_cache.size(3);
+  const int64_t H = n_heads;
+  TORCH_CHECK(H % Hkv == 0 && H / Hkv <= kMaxGroup, "unsupported heads per KV head: ", H, "/", Hkv);
+  TORCH_CHECK(R <= k_cache.size(0) && lens.size(0) == R, "more rows than cache slots or lens");
+  TORCH_CHECK(R == 0 || lens.max().item<int64_t>() < T, "a position is past the cache length");
+  auto attend = D == 32 ? attend_head<32> : D == 64 ? attend_head<64> : D == 128 ? attend_head<128> : nullptr;
+  TORCH_CHECK(attend != nullptr, "head_dim ", D, " has no fused decode kernel (32, 64, 128)");
+  auto out = torch::empty({R, H * D}, qkv.options());
+  const float* qkv_p = qkv.data_ptr<float>();
+  float* k_p = k_cache.data_ptr<float>();
+  float* v_p = v_cache.data_ptr<float>();
+  const int64_t* len_p = lens.data_ptr<int64_t>();
+  const float* cos_p = cos.data_ptr<float>();
+  const float* sin_p = sin_signed.data_ptr<float>();
+  const float* w_p = norm_w.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  const int64_t G = H / Hkv, row = qkv.size(1);
+  at::parallel_for(0, R * Hkv, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * T);
+    for (int64_t i = begin; i < end; ++i) {  // i = slot * Hkv + KV head
+      const int64_t r = i / Hkv, len = len_p[r];
+      attend(qkv_p + r * row, k_p + i * T * D, v_p + i * T * D, len, H, Hkv, i % Hkv, cos_p + len * D,
+             sin_p + len * D, w_p, static_cast<float>(eps), scores.data(), out_p + r * H * D);
+    }
+  });
+  return out;
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  const int64_t R = x.size(0), C = x.size(1);
+  auto out = torch::empty_like(x);
+  const float* x_p = x.data_ptr<float>();
+  const float* w_p = w.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x_p + r * C;
+      float sum_sq = 0.f;
+      for (int64_t c = 0; c < C; ++c) sum_sq += xr[c] * xr[c];
+      const float inv = 1.f / std::sqrt(sum_sq / C + static_cast<float>(eps));
+      float* o = out_p + r * C;
+      for (int64_t c = 0; c < C; ++c) o[c] = xr[c] * inv * w_p[c];
+    }
+  });
+  return out;
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check_f32(gate_up, "gate_up");
+  const int64_t R = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({R, I}, gate_up.options());
+  const float* in_p = gate_up.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in_p + r * 2 * I;
+      const float* up = gate + I;
+      float* o = out_p + r * I;
+      for (int64_t c = 0; c < I; ++c) {
+        const float e = exp_nonpositive(-std::abs(gate[c]));  // sigmoid from exp(-|g|): no overflow
+        const float sigmoid = gate[c] >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+        o[c] = gate[c] * sigmoid * up[c];
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "fused decode attention with cache write (fp32)");
+  m.def("rms_norm", &rms_norm, "row-wise RMS norm (fp32)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up (fp32)");
+}
