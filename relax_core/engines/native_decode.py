@@ -18,6 +18,8 @@ from types import ModuleType
 from relax_core.errors import RelaxUserError
 
 SOURCE = Path(__file__).with_name("decode_kernels.cpp")
+KERNEL_HEAD_DIMS = (32, 64, 128)  # the head sizes decode_attention is compiled for
+KERNEL_MAX_GROUP = 16  # query heads per KV head (kMaxGroup)
 # vectorised reductions need reassociation; NaN/inf semantics stay IEEE (no -ffast-math)
 FLAGS = [
     "-O3",

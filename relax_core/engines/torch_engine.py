@@ -158,7 +158,6 @@ class TorchEngine(RolloutEngine):
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.fast = fast_path_supported(model)
-        self.kernels = self._native_kernels() if native_kernels else None
         self._abort = threading.Event()
         self._abort_ids: set[str] | None = None  # None: abort everything
         self._abort_lock = threading.Lock()  # not self._lock: an abort must not wait for a long generation
@@ -178,10 +177,11 @@ class TorchEngine(RolloutEngine):
             self.n_heads = cfg.num_attention_heads
             self.n_kv = cfg.num_key_value_heads
             self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kernels = self._native_kernels() if native_kernels else None
 
     def _native_kernels(self) -> Any:
         """The fused decode kernels (:mod:`relax_core.engines.native_decode`), for the fp32 CPU text path."""
-        from relax_core.engines.native_decode import decode_kernels
+        from relax_core.engines.native_decode import KERNEL_HEAD_DIMS, KERNEL_MAX_GROUP, decode_kernels
         from relax_core.errors import RelaxUserError
 
         dtype = next(self.model.parameters()).dtype
@@ -189,6 +189,12 @@ class TorchEngine(RolloutEngine):
             raise RelaxUserError(
                 "rollout.native_kernels=true runs the fp32 CPU decode of text Qwen3 models; this engine has "
                 f"{type(self.model).__name__} in {dtype} on {self.device.type}"
+            )
+        if self.head_dim not in KERNEL_HEAD_DIMS or self.n_heads // self.n_kv > KERNEL_MAX_GROUP:
+            raise RelaxUserError(
+                f"rollout.native_kernels=true is compiled for head_dim {KERNEL_HEAD_DIMS} and at most "
+                f"{KERNEL_MAX_GROUP} query heads per KV head; this model has head_dim {self.head_dim} and "
+                f"{self.n_heads // self.n_kv}"
             )
         return decode_kernels()
 
@@ -446,9 +452,8 @@ class TorchEngine(RolloutEngine):
         inner = self.model.model
         rows = self._rows
         lens = torch.tensor([row["len"] for row in rows], device=self.device)
-        h = inner.embed_tokens(
-            torch.tensor([row["pending"] for row in rows], device=self.device)
-        )  # [R, hidden]
+        tokens = torch.tensor([row["pending"] for row in rows], device=self.device)
+        h = inner.embed_tokens(tokens)  # [R, hidden]
         if self.kernels is not None:
             h, norm = self._layers_native(h, lens), self.kernels.rms_norm
         else:
@@ -497,8 +502,8 @@ class TorchEngine(RolloutEngine):
         return h
 
     def _layers_native(self, h: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """:meth:`_layers` with the fused kernels: 7 ops a layer, the 4 projection matmuls and 3 kernels
-        (norm, attention with its q/k norm, rotary and cache write, silu·up)."""
+        """:meth:`_layers` with the fused kernels: 8 ops a layer, the 4 projection matmuls and 4 kernel calls
+        (two norms, attention with its q/k norm, rotary and cache write, silu·up)."""
         kernels, eps = self.kernels, self.model.config.rms_norm_eps
         k_cache, v_cache = self._cache  # type: ignore[misc]
         cos_table, sin_table = self._rotary  # type: ignore[misc]

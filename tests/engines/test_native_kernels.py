@@ -12,6 +12,7 @@ from engine_helpers import greedy_loop, make_engine, reqs
 
 from relax_core.engines.base import SamplingParams
 from relax_core.engines.native_decode import decode_kernels
+from relax_core.engines.torch_engine import TorchEngine
 from relax_core.errors import RelaxUserError
 
 
@@ -99,5 +100,20 @@ def test_native_engine_samples_what_the_eager_engine_samples(tiny_model_dir: Pat
 
 
 def test_native_kernels_refuse_what_they_do_not_run(tiny_model_dir: Path, tokenizer) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     with pytest.raises(RelaxUserError, match="fp32 CPU decode.*bfloat16"):
         make_engine(tiny_model_dir, tokenizer, dtype=torch.bfloat16, native_kernels=True)
+    odd_heads = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=64,
+            hidden_size=96,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=48,
+        )
+    )
+    with pytest.raises(RelaxUserError, match="head_dim \\(32, 64, 128\\).*head_dim 48"):
+        TorchEngine(odd_heads, 0, [1], native_kernels=True)
