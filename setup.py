@@ -11,5 +11,9 @@ CONFIG_GROUPS = [f"relax_launch.conf.{group}" for group in find_namespace_packag
 setup(
     packages=[*CODE, "relax_launch.conf", *CONFIG_GROUPS],
     package_dir={"relax_launch.conf": "conf"},
-    package_data={"relax_launch.conf": ["*.yaml"], **{group: ["*.yaml"] for group in CONFIG_GROUPS}},
+    package_data={
+        "relax_launch.conf": ["*.yaml"],
+        **{group: ["*.yaml"] for group in CONFIG_GROUPS},
+        "relax_core.engines": ["*.cpp"],  # the native decode kernels, compiled on first use
+    },
 )

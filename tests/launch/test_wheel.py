@@ -1,4 +1,5 @@
-"""A plain (non-editable) install carries the config tree: the wheel holds ``relax_launch/conf``."""
+"""A plain (non-editable) install carries the config tree (the wheel holds ``relax_launch/conf``) and the
+native kernels' C++ source."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ def test_wheel_contains_every_config_file(wheel: Path) -> None:
     for package in ("relax_launch", "relax_core", "relax_rewards", "relax_models"):
         assert f"{package}/__init__.py" in names
     assert "relax_launch/__main__.py" in names and "relax_core/run_loop.py" in names
+    assert "relax_core/engines/decode_kernels.cpp" in names  # rollout.native_kernels compiles it on first use
     assert not any(n.startswith("tests/") for n in names)
 
 
