@@ -93,14 +93,18 @@ def _executor(tmp_path: Path, **params):
     return executor
 
 
-def _final_state(job, timeout_s: float = 20.0) -> str:
-    """sacct lags the result file by a moment; poll until the job leaves RUNNING/COMPLETING."""
+def _assert_completed(job, timeout_s: float = 120.0) -> None:
+    """sacct lags the result file (the job's Python still exits, slurmdbd records the end; over 20 s once on
+    a loaded machine): poll until the job leaves RUNNING/COMPLETING, then expect COMPLETED."""
     deadline = time.monotonic() + timeout_s
     state = job.get_info(mode="force").get("State", "UNKNOWN")
     while state in ("UNKNOWN", "PENDING", "RUNNING", "COMPLETING") and time.monotonic() < deadline:
         time.sleep(0.5)
         state = job.get_info(mode="force").get("State", "UNKNOWN")
-    return state
+    if state != "COMPLETED":  # say why: what slurmctld thinks of the job and which of its processes remain
+        show = subprocess.run(["scontrol", "show", "job", job.job_id], capture_output=True, text=True)
+        left = {pid: _cmdline(pid) for pid in _job_processes(job.job_id)}
+        raise AssertionError(f"job {job.job_id} is {state}, not COMPLETED\n{show.stdout}{show.stderr}{left}")
 
 
 def _job_processes(job_id: str) -> list[int]:
@@ -141,7 +145,7 @@ def test_submitit_job_bootstraps_ray_and_runs_a_task(tmp_path: Path) -> None:
     assert result["squares"] == [0, 1, 4, 9]
     assert result["task_job_ids"] == [job.job_id]  # the Ray task ran on the node started inside the job
     assert result["nodes"] == 1
-    assert _final_state(job) == "COMPLETED"
+    _assert_completed(job)
 
     _assert_nothing_left(job.job_id)
 
@@ -157,5 +161,5 @@ def test_submitit_job_spanning_two_nodes_builds_one_ray_cluster(tmp_path: Path) 
     assert head["squares"] == [0, 1, 4, 9]
     assert head["nodes"] == 2
     assert worker is None
-    assert _final_state(job) == "COMPLETED"
+    _assert_completed(job)
     _assert_nothing_left(job.job_id)

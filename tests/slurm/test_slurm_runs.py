@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "resilience"))
 
 from resilience_helpers import TINY_RUN, compose, read_metrics, wait_for_step  # noqa: E402
-from test_slurm_infra import _assert_nothing_left, _final_state, requires_slurm  # noqa: E402
+from test_slurm_infra import _assert_completed, _assert_nothing_left, requires_slurm  # noqa: E402
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -93,7 +93,7 @@ def test_cluster_slurm_run_is_preempted_requeues_and_resumes(tmp_path: Path) -> 
     # every step exactly once across the two attempts, and the model was exported by the second one
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(0, 7))
     assert (run_dir / "final_model" / "config.json").is_file()
-    assert _final_state(job) == "COMPLETED"
+    _assert_completed(job)
     _assert_nothing_left(job.job_id)
 
 
