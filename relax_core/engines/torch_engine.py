@@ -132,6 +132,64 @@ class _Job:
     error: str | None = None  # why the engine could not run it (the job is done, without results)
 
 
+class _SlotState:
+    """Per-slot decode state as tensors (row ``i`` is live slot ``i``), so a decode step records tokens and
+    finds finished samples with a few tensor ops instead of Python per sample."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.lens = torch.zeros(0, dtype=torch.long, device=device)  # position of the pending token
+        self.pending = torch.zeros(0, dtype=torch.long, device=device)  # token fed at the next step
+        self.count = torch.zeros(0, dtype=torch.long, device=device)  # tokens sampled so far
+        self.budget = torch.zeros(0, dtype=torch.long, device=device)  # max_new_tokens
+        self.tokens = torch.zeros(0, 0, dtype=torch.long, device=device)  # sampled tokens
+        self.logprobs = torch.zeros(0, 0, device=device)  # their log-probs
+        self.stops = torch.zeros(0, 0, dtype=torch.long, device=device)  # stop token ids, -1 padded
+
+    def ensure(self, slots: int, width: int, n_stops: int, live: int) -> None:
+        """At least ``slots`` rows, ``width`` tokens per row and ``n_stops`` stop ids, keeping live rows."""
+        slots = max(slots, self.lens.shape[0])
+
+        def grown(t: torch.Tensor, *cols: int, fill: int = 0) -> torch.Tensor:
+            shape = (slots, *(max(c, old) for c, old in zip(cols, t.shape[1:])))
+            if tuple(t.shape) == shape:
+                return t
+            new = torch.full(shape, fill, dtype=t.dtype, device=self.device)
+            new[(slice(0, live), *(slice(0, old) for old in t.shape[1:]))] = t[:live]
+            return new
+
+        self.lens, self.pending = grown(self.lens), grown(self.pending)
+        self.count, self.budget = grown(self.count), grown(self.budget)
+        self.tokens, self.logprobs = grown(self.tokens, width), grown(self.logprobs, width)
+        self.stops = grown(self.stops, n_stops, fill=-1)
+
+    def start(self, slots: slice, prompt_len: int, budget: int, stops: list[int]) -> None:
+        """New samples of one prompt in ``slots``: the prompt's length, no tokens yet."""
+        self.lens[slots], self.count[slots], self.budget[slots] = prompt_len, 0, budget
+        self.stops[slots] = -1
+        self.stops[slots, : len(stops)] = torch.tensor(stops, dtype=torch.long, device=self.device)
+
+    def record(
+        self, rows: slice, token: torch.Tensor, logp: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append one sampled token per row of ``rows``; which rows hit a stop id, which used their budget."""
+        index = torch.arange(rows.start, rows.stop, device=self.device)
+        count = self.count[rows]
+        self.tokens[index, count] = token
+        self.logprobs[index, count] = logp.to(self.logprobs.dtype)
+        count += 1
+        self.pending[rows] = token
+        return (token.unsqueeze(1) == self.stops[rows]).any(1), count >= self.budget[rows]
+
+    def output(self, slot: int) -> tuple[list[int], list[float]]:
+        n = int(self.count[slot])
+        return self.tokens[slot, :n].tolist(), self.logprobs[slot, :n].tolist()
+
+    def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        for t in (self.lens, self.pending, self.count, self.budget, self.tokens, self.logprobs, self.stops):
+            t[dst] = t[src]
+
+
 class TorchEngine(RolloutEngine):
     """Batched sampling with a slot KV cache and continuous batching (see the module docstring)."""
 
@@ -164,7 +222,8 @@ class TorchEngine(RolloutEngine):
         self._paused = threading.Event()
         self._lock = threading.RLock()  # one thread steps the engine at a time
         self._queue: deque[_Job] = deque()
-        self._rows: list[dict[str, Any]] = []  # per live slot: job, sample index, pending token
+        self._rows: list[dict[str, Any]] = []  # per live slot: job, sample index, limit (and finish)
+        self._slots = _SlotState(self.device)  # the live slots' tokens, positions and stop tests
         self._admitting: list[_Job] = []  # jobs taken off the queue by the prefill in progress
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, signed sin per cache position
@@ -361,7 +420,14 @@ class TorchEngine(RolloutEngine):
         width = int(lens.max())
         need_len = max(len(j.request.input_ids) + j.sampling.max_new_tokens for j in batch)
         need_len = max(need_len, max((r["limit"] for r in self._rows), default=0))
-        self._ensure_cache(len(self._rows) + sum(j.remaining for j in batch), need_len)
+        total = len(self._rows) + sum(j.remaining for j in batch)
+        self._ensure_cache(total, need_len)
+        self._slots.ensure(
+            total,
+            max(j.sampling.max_new_tokens for j in batch),
+            max(len(self._stop_ids(j.sampling)) for j in batch),
+            len(self._rows),
+        )
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long, device=self.device)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
@@ -382,20 +448,14 @@ class TorchEngine(RolloutEngine):
         last = hidden[torch.arange(len(batch)), lens - 1]
         logits = self.model.lm_head(self.model.model.norm(last))
         for job in batch:
-            stop = frozenset(self._stop_ids(job.sampling))
+            stops, prompt_len = self._stop_ids(job.sampling), len(job.request.input_ids)
+            first = len(self._rows)
+            self._slots.start(
+                slice(first, first + job.remaining), prompt_len, job.sampling.max_new_tokens, stops
+            )
             for s in range(job.remaining):
-                self._rows.append(
-                    {
-                        "job": job,
-                        "index": s,
-                        "len": len(job.request.input_ids),
-                        "limit": len(job.request.input_ids) + job.sampling.max_new_tokens,
-                        "tokens": [],
-                        "logprobs": [],
-                        "stop": stop,
-                    }
-                )
-        self._sample_rows(logits[src], list(range(base, len(self._rows))))
+                self._rows.append({"job": job, "index": s, "limit": prompt_len + job.sampling.max_new_tokens})
+        self._sample_rows(logits[src], base)
         self._admitting = []
         self.peak_running = max(self.peak_running, len(self._rows))
         self._retire()
@@ -450,18 +510,16 @@ class TorchEngine(RolloutEngine):
     def _decode(self) -> None:
         """Feed every live slot's pending token at its next position, sample the next one."""
         inner = self.model.model
-        rows = self._rows
-        lens = torch.tensor([row["len"] for row in rows], device=self.device)
-        tokens = torch.tensor([row["pending"] for row in rows], device=self.device)
-        h = inner.embed_tokens(tokens)  # [R, hidden]
+        live = len(self._rows)
+        lens = self._slots.lens[:live]
+        h = inner.embed_tokens(self._slots.pending[:live])  # [R, hidden]
         if self.kernels is not None:
             h, norm = self._layers_native(h, lens), self.kernels.rms_norm
         else:
             h, norm = self._layers(h, lens), _rms
         logits = self.model.lm_head(norm(h, inner.norm.weight, self.model.config.rms_norm_eps))
-        for row in rows:
-            row["len"] += 1
-        self._sample_rows(logits, list(range(len(rows))))
+        lens += 1
+        self._sample_rows(logits, 0)
         self._retire()
 
     def _layers(self, h: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -518,33 +576,30 @@ class TorchEngine(RolloutEngine):
             h = torch.addmm(h, kernels.silu_mul(gate_up), w.down_t)
         return h
 
-    def _sample_rows(self, logits: torch.Tensor, row_ids: list[int]) -> None:
-        """Sample the next token of ``self._rows[i]`` from ``logits[j]`` for each ``i = row_ids[j]``, one
-        batched draw per distinct sampling config (usually one)."""
-        by_cfg: dict[int, list[int]] = {}
-        for j, i in enumerate(row_ids):
-            by_cfg.setdefault(id(self._rows[i]["job"].sampling), []).append(j)
-        for picks in by_cfg.values():
-            sampling = self._rows[row_ids[picks[0]]]["job"].sampling
-            sel = logits if len(picks) == len(row_ids) else logits[torch.tensor(picks, device=self.device)]
-            token, logp = sample_tokens(sel, sampling, self.generator)
-            for j, tok, lp in zip(picks, token.tolist(), logp.tolist()):
-                self._emit(self._rows[row_ids[j]], tok, lp)
-
-    def _emit(self, row: dict[str, Any], token: int, logp: float) -> None:
-        """Record one sampled token; mark the row finished on a stop token/string or the budget."""
-        row["tokens"].append(token)
-        row["logprobs"].append(logp)
-        row["pending"] = token
-        sampling: SamplingParams = row["job"].sampling
-        if token in row["stop"]:
-            row["finish"] = "stop"
-        elif sampling.stop_strings and self.tokenizer is not None:
-            tail = self.tokenizer.decode(row["tokens"][-16:])
-            if any(s in tail for s in sampling.stop_strings):
-                row["finish"] = "stop"
-        if "finish" not in row and len(row["tokens"]) >= sampling.max_new_tokens:
-            row["finish"] = "length"
+    def _sample_rows(self, logits: torch.Tensor, first: int) -> None:
+        """Sample the next token of live slots ``first, first + 1, ...`` from the rows of ``logits``, one
+        batched draw per distinct sampling config (usually one); mark the samples that finished."""
+        rows = self._rows[first : first + logits.shape[0]]
+        configs = {id(row["job"].sampling): row["job"].sampling for row in rows}
+        if len(configs) == 1:
+            token, logp = sample_tokens(logits, next(iter(configs.values())), self.generator)
+        else:
+            token = torch.empty(len(rows), dtype=torch.long, device=self.device)
+            logp = torch.empty(len(rows), device=self.device)
+            for key, sampling in configs.items():
+                picks = torch.tensor(
+                    [j for j, row in enumerate(rows) if id(row["job"].sampling) == key], device=self.device
+                )
+                token[picks], logp[picks] = sample_tokens(logits[picks], sampling, self.generator)
+        stop_hit, full = self._slots.record(slice(first, first + len(rows)), token, logp)
+        if self.tokenizer is not None and any(c.stop_strings for c in configs.values()):
+            for j, row in enumerate(rows):
+                stop_strings = row["job"].sampling.stop_strings
+                if stop_strings and not stop_hit[j]:
+                    tail = self.tokenizer.decode(self._slots.output(first + j)[0][-16:])
+                    stop_hit[j] = any(s in tail for s in stop_strings)
+        for j in (stop_hit | full).nonzero().flatten().tolist():
+            rows[j]["finish"] = "stop" if stop_hit[j] else "length"
 
     def _retire(self) -> None:
         """Move finished rows out; live rows past the new end fill the holes so live slots stay 0..R-1."""
@@ -552,7 +607,7 @@ class TorchEngine(RolloutEngine):
         if not finished:
             return
         for i in finished:
-            self._publish(self._rows[i])
+            self._publish(self._rows[i], i)
         live = len(self._rows) - len(finished)
         holes = [i for i in finished if i < live]
         movers = [i for i in range(live, len(self._rows)) if "finish" not in self._rows[i]]
@@ -561,16 +616,18 @@ class TorchEngine(RolloutEngine):
             dst, src = torch.tensor(holes, device=self.device), torch.tensor(movers, device=self.device)
             k_cache[:, dst] = k_cache[:, src]
             v_cache[:, dst] = v_cache[:, src]
+            self._slots.move(dst, src)
             for hole, mover in zip(holes, movers):
                 self._rows[hole] = self._rows[mover]
         del self._rows[live:]
 
-    def _publish(self, row: dict[str, Any]) -> None:
+    def _publish(self, row: dict[str, Any], slot: int) -> None:
         """Store a finished row's result in its job; the job is done once all its samples are."""
         job: _Job = row["job"]
+        output_ids, logprobs = self._slots.output(slot)
         job.results[row["index"]] = GenerationResult(
-            output_ids=row["tokens"],
-            logprobs=row["logprobs"],
+            output_ids=output_ids,
+            logprobs=logprobs,
             finish_reason=row["finish"],
             request_id=job.request.request_id,
             weight_version=self.weight_version,

@@ -71,6 +71,27 @@ def test_stop_token_and_stop_string(tiny_model_dir: Path, tokenizer, model) -> N
     assert len(by_text.output_ids) <= 5
 
 
+def test_rows_of_different_sampling_configs_keep_their_own_stops_and_budgets(
+    tiny_model_dir: Path, tokenizer, model
+) -> None:
+    """Greedy and sampled jobs, with and without a stop id, decode in the same steps: each row stops on its
+    own stop ids and budget only."""
+    engine = make_engine(tiny_model_dir, tokenizer)
+    engine.eos_token_ids = []
+    a, b = reqs(tokenizer)[:2]
+    free_a = greedy_loop(model, a.input_ids, 10)
+    jobs = [
+        engine.submit(a, SamplingParams(10, temperature=0.0, stop_token_ids=[free_a[4]])),
+        engine.submit(b, SamplingParams(6, temperature=1.0, n=3)),
+        engine.submit(b, SamplingParams(9, temperature=0.0)),
+    ]
+    engine.run_until(jobs)
+    [stopped], sampled, [greedy] = (job.results for job in jobs)
+    assert stopped.output_ids == free_a[: free_a.index(free_a[4]) + 1] and stopped.finish_reason == "stop"
+    assert [(len(r.output_ids), len(r.logprobs), r.finish_reason) for r in sampled] == [(6, 6, "length")] * 3
+    assert greedy.output_ids == greedy_loop(model, b.input_ids, 9) and greedy.finish_reason == "length"
+
+
 def test_abort_returns_partial_results(tiny_model_dir: Path, tokenizer) -> None:
     engine = make_engine(tiny_model_dir, tokenizer)
     engine.eos_token_ids = []
