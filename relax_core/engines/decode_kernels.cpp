@@ -5,7 +5,8 @@
 // each norm or activation is several passes over memory. These kernels do each of those in one pass:
 //   decode_attention: per (slot, KV head): q/k RMS norm and rotary, the new K/V written into the cache, and
 //                     softmax attention of the head's G query heads over positions 0..len, reading every
-//                     cached key and value row once;
+//                     cached key and value row from memory once (AVX2 builds: scores 8 keys at a time, the
+//                     softmax on vectors, the weighted values accumulated in registers);
 //   rms_norm:         x * rsqrt(mean(x^2) + eps) * w per row;
 //   silu_mul:         silu(gate) * up for a fused [gate | up] projection.
 #include <ATen/Parallel.h>
@@ -15,6 +16,10 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -54,28 +59,132 @@ inline void norm_rotate(const float* x, const float* w, const float* cos, const 
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 
-// One slot's KV head h: write the new key/value at position len, attend its G query heads over 0..len.
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 lanes at a time: the scores of 8 keys come out of one transposed reduction, softmax runs on vectors.
+constexpr int64_t kLanes = 8;
+
+// [sum(a[0]), ..., sum(a[7])]: the horizontal sums of 8 vectors in 9 shuffles/adds.
+inline __m256 transpose_sum(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// exp_nonpositive on 8 lanes (the same polynomial).
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 k = _mm256_floor_ps(y);
+  const __m256 f = _mm256_sub_ps(y, k);
+  __m256 p = _mm256_set1_ps(1.535336188e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float max_of(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline float sum_of(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// scores[t] = q . key_t for t < n (scores padded to a multiple of 8; padding lanes are -inf).
 template <int64_t D>
-void attend_head(const float* qkv, float* K, float* V, int64_t len, int64_t H, int64_t Hkv, int64_t h,
+inline void key_scores(const float* q, const float* K, int64_t n, float* scores) {
+  constexpr int64_t V = D / kLanes;
+  __m256 qv[V];
+  for (int64_t v = 0; v < V; ++v) qv[v] = _mm256_load_ps(q + v * kLanes);
+  for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+    __m256 acc[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) {
+      acc[j] = _mm256_setzero_ps();
+      if (t0 + j < n) {
+        const float* key = K + (t0 + j) * D;
+        for (int64_t v = 0; v < V; ++v) acc[j] = _mm256_fmadd_ps(qv[v], _mm256_loadu_ps(key + v * kLanes), acc[j]);
+      }
+    }
+    _mm256_storeu_ps(scores + t0, transpose_sum(acc));
+  }
+  for (int64_t t = n; t % kLanes; ++t) scores[t] = -INFINITY;
+}
+
+// softmax of scores[0..n) in place (padded to 8 lanes with -inf; the padding becomes exactly 0).
+inline void softmax(float* s, int64_t n) {
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  __m256 top = minus_inf;
+  for (int64_t t = 0; t < padded; t += kLanes) top = _mm256_max_ps(top, _mm256_loadu_ps(s + t));
+  const __m256 m = _mm256_set1_ps(max_of(top));
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t t = 0; t < padded; t += kLanes) {
+    const __m256 x = _mm256_loadu_ps(s + t);
+    // exp_nonpositive8 clamps at -87, so padding would give 1e-38, not 0: mask it out
+    const __m256 e = _mm256_and_ps(exp_nonpositive8(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, minus_inf, _CMP_NEQ_OQ));
+    total = _mm256_add_ps(total, e);
+    _mm256_storeu_ps(s + t, e);
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / sum_of(total));
+  for (int64_t t = 0; t < padded; t += kLanes) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
+}
+
+// out[0..D) = sum_t p[t] value_t, accumulating 64 columns at a time in registers.
+template <int64_t D>
+inline void weighted_values(const float* p, const float* V, int64_t n, float* out) {
+  constexpr int64_t kCols = D < 64 ? D : 64, kVecs = kCols / kLanes;
+  for (int64_t c = 0; c < D; c += kCols) {
+    __m256 acc[kVecs];
+    for (int64_t v = 0; v < kVecs; ++v) acc[v] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 w = _mm256_broadcast_ss(p + t);
+      const float* value = V + t * D + c;
+      for (int64_t v = 0; v < kVecs; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + v * kLanes), acc[v]);
+    }
+    for (int64_t v = 0; v < kVecs; ++v) _mm256_storeu_ps(out + c + v * kLanes, acc[v]);
+  }
+}
+#endif
+
+// One slot's KV head h: write the new key/value at position len, attend its G query heads over 0..len.
+// scores holds G rows of T + 8 floats.
+template <int64_t D>
+void attend_head(const float* qkv, float* K, float* V, int64_t len, int64_t H, int64_t Hkv, int64_t h, int64_t T,
                  const float* cos, const float* sin_signed, const float* norm_w, float eps, float* scores,
                  float* out) {
-  const int64_t G = H / Hkv, n = len + 1;
+  const int64_t G = H / Hkv, n = len + 1, stride = T + 8;
   norm_rotate<D>(qkv + (H + h) * D, norm_w + (H + h) * D, cos, sin_signed, eps, K + len * D);
   std::memcpy(V + len * D, qkv + (H + Hkv + h) * D, D * sizeof(float));
   alignas(64) float q[kMaxGroup][D];
   for (int64_t g = 0; g < G; ++g) {
     norm_rotate<D>(qkv + (h * G + g) * D, norm_w + (h * G + g) * D, cos, sin_signed, eps, q[g]);
   }
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int64_t g = 0; g < G; ++g) {  // the head's keys and values stay in L1 across its G query heads
+    key_scores<D>(q[g], K, n, scores + g * stride);
+    softmax(scores + g * stride, n);
+    weighted_values<D>(scores + g * stride, V, n, out + (h * G + g) * D);
+  }
+#else
   for (int64_t t = 0; t < n; ++t) {  // every key row read once for the G query heads
     const float* key = K + t * D;
     for (int64_t g = 0; g < G; ++g) {
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += q[g][d] * key[d];
-      scores[g * n + t] = dot;
+      scores[g * stride + t] = dot;
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    float* s = scores + g * n;
+    float* s = scores + g * stride;
     float top = s[0];
     for (int64_t t = 1; t < n; ++t) top = std::max(top, s[t]);
     float total = 0.f;
@@ -90,11 +199,12 @@ void attend_head(const float* qkv, float* K, float* V, int64_t len, int64_t H, i
   for (int64_t t = 0; t < n; ++t) {  // every value row read once
     const float* value = V + t * D;
     for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * n + t];
+      const float p = scores[g * stride + t];
       for (int64_t d = 0; d < D; ++d) acc[g][d] += p * value[d];
     }
   }
   for (int64_t g = 0; g < G; ++g) std::memcpy(out + (h * G + g) * D, acc[g], D * sizeof(float));
+#endif
 }
 
 void check_f32(const torch::Tensor& t, const char* name) {
@@ -135,10 +245,10 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, torch::Tensor& k_cache,
   float* out_p = out.data_ptr<float>();
   const int64_t G = H / Hkv, row = qkv.size(1);
   at::parallel_for(0, R * Hkv, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * T);
+    std::vector<float> scores(G * (T + 8));
     for (int64_t i = begin; i < end; ++i) {  // i = slot * Hkv + KV head
       const int64_t r = i / Hkv, len = len_p[r];
-      attend(qkv_p + r * row, k_p + i * T * D, v_p + i * T * D, len, H, Hkv, i % Hkv, cos_p + len * D,
+      attend(qkv_p + r * row, k_p + i * T * D, v_p + i * T * D, len, H, Hkv, i % Hkv, T, cos_p + len * D,
              sin_p + len * D, w_p, static_cast<float>(eps), scores.data(), out_p + r * H * D);
     }
   });
