@@ -555,6 +555,8 @@ class AsyncMode(Mode):
         if s is not None and s <= st.trained:  # the Actor finished the step the engines were producing
             st.info[s] |= {"rollout": st.roll["parts"], "rounds": st.roll["round"]}
             st.info[s]["rollout_s"] = time.perf_counter() - st.roll["launched"]
+            # an engine killed after its rows reached the bus returns no count; the Actor trained them
+            st.generated[s] = max(st.generated.get(s, 0), self.step_samples)
 
     def _step_metrics(self, info: dict[str, Any]) -> StepMetrics:
         parts = info["rollout"]
