@@ -239,7 +239,9 @@ class TorchEngine(RolloutEngine):
         self._paused = threading.Event()
         self._lock = threading.RLock()  # one thread steps the engine at a time
         self._queue: deque[_Job] = deque()
-        self._rows: list[dict[str, Any]] = []  # per live slot: job, sample index, limit (and finish)
+        self._rows: list[dict[str, Any]] = []  # per live slot: job, sample index (and finish)
+        # id(sampling) -> [sampling, live rows]: the configs a decode step draws with, without a pass over rows
+        self._live_configs: dict[int, list[Any]] = {}
         self._slots = _SlotState(self.device)  # the live slots' tokens, positions and stop tests
         self._admitting: list[_Job] = []  # jobs taken off the queue by the prefill in progress
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -377,7 +379,7 @@ class TorchEngine(RolloutEngine):
         """A step failed: every admitted job (and the batch being admitted) answers with the error, so no
         caller waits forever, and the engine starts clean."""
         jobs = {id(row["job"]): row["job"] for row in self._rows} | {id(j): j for j in self._admitting}
-        self._rows, self._admitting = [], []
+        self._rows, self._admitting, self._live_configs = [], [], {}
         for job in jobs.values():
             job.error = f"{type(err).__name__}: {err}"
             job.remaining = 0
@@ -438,7 +440,9 @@ class TorchEngine(RolloutEngine):
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lens.max())
         need_len = max(len(j.request.input_ids) + j.sampling.max_new_tokens for j in batch)
-        need_len = max(need_len, max((r["limit"] for r in self._rows), default=0))
+        if self._rows:  # a live slot's prompt and budget: lens = prompt + sampled - 1
+            room = self._slots.lens - self._slots.count + self._slots.budget + 1
+            need_len = max(need_len, int(room[: len(self._rows)].max()))
         total = len(self._rows) + sum(j.remaining for j in batch)
         self._ensure_cache(total, need_len)
         self._slots.ensure(
@@ -472,12 +476,12 @@ class TorchEngine(RolloutEngine):
             self._slots.start(
                 slice(first, first + job.remaining), prompt_len, job.sampling.max_new_tokens, stops
             )
-            for s in range(job.remaining):
-                self._rows.append({"job": job, "index": s, "limit": prompt_len + job.sampling.max_new_tokens})
-        self._sample_rows(logits[src], base)
+            self._rows.extend({"job": job, "index": s} for s in range(job.remaining))
+            self._live_configs.setdefault(id(job.sampling), [job.sampling, 0])[1] += job.remaining
+        finished = self._sample_rows(logits[src], base, {id(j.sampling): j.sampling for j in batch})
         self._admitting = []
         self.peak_running = max(self.peak_running, len(self._rows))
-        self._retire()
+        self._retire(finished)
 
     def _attn_qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
@@ -538,8 +542,7 @@ class TorchEngine(RolloutEngine):
             h, norm = self._layers(h, lens), _rms
         logits = self.model.lm_head(norm(h, inner.norm.weight, self.model.config.rms_norm_eps))
         lens += 1
-        self._sample_rows(logits, 0)
-        self._retire()
+        self._retire(self._sample_rows(logits, 0, {k: c[0] for k, c in self._live_configs.items()}))
 
     def _layers(self, h: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """The decoder layers for one new token per slot, at positions ``lens``.
@@ -595,11 +598,11 @@ class TorchEngine(RolloutEngine):
             h = torch.addmm(h, kernels.silu_mul(gate_up), w.down_t)
         return h
 
-    def _sample_rows(self, logits: torch.Tensor, first: int) -> None:
+    def _sample_rows(self, logits: torch.Tensor, first: int, configs: dict[int, SamplingParams]) -> list[int]:
         """Sample the next token of live slots ``first, first + 1, ...`` from the rows of ``logits``, one
-        batched draw per distinct sampling config (usually one); mark the samples that finished."""
+        batched draw per distinct sampling config of ``configs`` (id -> config, usually one); mark the samples
+        that finished and return their slots."""
         rows = self._rows[first : first + logits.shape[0]]
-        configs = {id(row["job"].sampling): row["job"].sampling for row in rows}
         if len(configs) == 1:
             token, logp = sample_tokens(logits, next(iter(configs.values())), self.generator)
         else:
@@ -617,12 +620,14 @@ class TorchEngine(RolloutEngine):
                 if stop_strings and not stop_hit[j]:
                     tail = self.tokenizer.decode(self._slots.output(first + j)[0][-16:])
                     stop_hit[j] = any(s in tail for s in stop_strings)
-        for j in (stop_hit | full).nonzero().flatten().tolist():
+        finished = (stop_hit | full).nonzero().flatten().tolist()
+        for j in finished:
             rows[j]["finish"] = "stop" if stop_hit[j] else "length"
+        return [first + j for j in finished]
 
-    def _retire(self) -> None:
-        """Move finished rows out; live rows past the new end fill the holes so live slots stay 0..R-1."""
-        finished = [i for i, row in enumerate(self._rows) if "finish" in row]
+    def _retire(self, finished: list[int]) -> None:
+        """Move the ``finished`` rows (ascending slots) out; live rows past the new end fill the holes so live
+        slots stay 0..R-1."""
         if not finished:
             return
         for i in finished:
@@ -652,6 +657,10 @@ class TorchEngine(RolloutEngine):
             weight_version=self.weight_version,
         )
         job.remaining -= 1
+        config = self._live_configs[id(job.sampling)]
+        config[1] -= 1
+        if config[1] == 0:
+            del self._live_configs[id(job.sampling)]
         if job.remaining == 0:
             job.done.set()
 
@@ -662,10 +671,10 @@ class TorchEngine(RolloutEngine):
         def targeted(job: _Job) -> bool:
             return request_ids is None or job.request.request_id in request_ids
 
-        for row in self._rows:
-            if targeted(row["job"]):
-                row.setdefault("finish", "abort")
-        self._retire()
+        aborted = [i for i, row in enumerate(self._rows) if targeted(row["job"])]
+        for i in aborted:
+            self._rows[i].setdefault("finish", "abort")
+        self._retire(aborted)
         for job in [j for j in self._queue if targeted(j)]:
             self._queue.remove(job)
             job.results = [
