@@ -248,6 +248,7 @@ class TorchEngine(RolloutEngine):
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, signed sin per cache position
         self._positions = torch.arange(0)
         self._layer_weights: list[_LayerWeights] | None = None
+        self._scratch_buffers: dict[str, torch.Tensor] = {}  # the native decode's projection outputs
         self.peak_running = 0  # most samples decoded together so far (continuous-batching stat)
         if self.fast:
             cfg = model.config
@@ -583,20 +584,35 @@ class TorchEngine(RolloutEngine):
 
     def _layers_native(self, h: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """:meth:`_layers` with the fused kernels: 8 ops a layer, the 4 projection matmuls and 4 kernel calls
-        (two norms, attention with its q/k norm, rotary and cache write, silu·up)."""
+        (two norms, attention with its q/k norm, rotary and cache write, silu·up).
+
+        The projections write into buffers reused every step (the residual stream alternates between two):
+        memory freshly allocated each step tends to be out of the CPU cache after the attention's cache reads,
+        the same buffers stay in it (about 2% of the tiny model's batch)."""
         kernels, eps = self.kernels, self.model.config.rms_norm_eps
         k_cache, v_cache = self._cache  # type: ignore[misc]
         cos_table, sin_table = self._rotary  # type: ignore[misc]
-        linear = torch.nn.functional.linear
+        r = h.shape[0]
         for li, w in enumerate(self._decode_weights()):
-            qkv = linear(kernels.rms_norm(h, w.input_norm, eps), w.qkv)
+            x = kernels.rms_norm(h, w.input_norm, eps)
+            qkv = torch.mm(x, w.qkv.t(), out=self._scratch("qkv", r, w.qkv.shape[0]))
             attn = kernels.decode_attention(
                 qkv, k_cache[li], v_cache[li], lens, cos_table, sin_table, w.qk_norm, eps, self.n_heads
             )
-            h = torch.addmm(h, attn, w.o_t)
-            gate_up = linear(kernels.rms_norm(h, w.post_norm, eps), w.gate_up)
-            h = torch.addmm(h, kernels.silu_mul(gate_up), w.down_t)
+            h = torch.addmm(h, attn, w.o_t, out=self._scratch("residual_attn", r, h.shape[1]))
+            x = kernels.rms_norm(h, w.post_norm, eps)
+            gate_up = torch.mm(x, w.gate_up.t(), out=self._scratch("gate_up", r, w.gate_up.shape[0]))
+            h = torch.addmm(
+                h, kernels.silu_mul(gate_up), w.down_t, out=self._scratch("residual_mlp", r, h.shape[1])
+            )
         return h
+
+    def _scratch(self, name: str, rows: int, cols: int) -> torch.Tensor:
+        """The first ``rows`` rows of a ``[≥ rows, cols]`` buffer kept across decode steps."""
+        buffer = self._scratch_buffers.get(name)
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != cols:
+            buffer = self._scratch_buffers[name] = torch.empty(rows, cols, device=self.device)
+        return buffer[:rows]
 
     def _sample_rows(self, logits: torch.Tensor, first: int, configs: dict[int, SamplingParams]) -> list[int]:
         """Sample the next token of live slots ``first, first + 1, ...`` from the rows of ``logits``, one
