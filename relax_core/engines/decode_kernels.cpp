@@ -5,8 +5,9 @@
 // each norm or activation is several passes over memory. These kernels do each of those in one pass:
 //   decode_attention: per (slot, KV head): q/k RMS norm and rotary, the new K/V written into the cache, and
 //                     softmax attention of the head's G query heads over positions 0..len, reading every
-//                     cached key and value row from memory once (AVX2 builds: scores 8 keys at a time, the
-//                     softmax on vectors, the weighted values accumulated in registers);
+//                     cached key and value row from memory once, and the prompt's rows from one slot for all
+//                     of a prompt's samples (AVX2 builds: scores 8 keys at a time, the softmax on vectors,
+//                     the weighted values accumulated in registers);
 //   rms_norm:         x * rsqrt(mean(x^2) + eps) * w per row;
 //   silu_mul:         silu(gate) * up for a fused [gate | up] projection.
 #include <ATen/Parallel.h>
@@ -59,6 +60,17 @@ inline void norm_rotate(const float* x, const float* w, const float* cos, const 
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 
+// A head's cached rows (keys or values) 0..n: rows before n_shared are read from another slot holding the same
+// prompt (the first live sample of it), the rest from the slot's own cache. The n samples of a prompt then
+// read one copy of its prompt rows, which stays in cache from one sample to the next.
+template <int64_t D>
+struct CacheRows {
+  const float* shared;
+  const float* own;
+  int64_t n_shared;
+  const float* at(int64_t t) const { return (t < n_shared ? shared : own) + t * D; }
+};
+
 #if defined(__AVX2__) && defined(__FMA__)
 // 8 lanes at a time: the scores of 8 keys come out of one transposed reduction, softmax runs on vectors.
 constexpr int64_t kLanes = 8;
@@ -101,7 +113,7 @@ inline float sum_of(__m256 v) {
 
 // scores[t] = q . key_t for t < n (scores padded to a multiple of 8; padding lanes are -inf).
 template <int64_t D>
-inline void key_scores(const float* q, const float* K, int64_t n, float* scores) {
+inline void key_scores(const float* q, const CacheRows<D>& K, int64_t n, float* scores) {
   constexpr int64_t V = D / kLanes;
   __m256 qv[V];
   for (int64_t v = 0; v < V; ++v) qv[v] = _mm256_load_ps(q + v * kLanes);
@@ -110,7 +122,7 @@ inline void key_scores(const float* q, const float* K, int64_t n, float* scores)
     for (int64_t j = 0; j < kLanes; ++j) {
       acc[j] = _mm256_setzero_ps();
       if (t0 + j < n) {
-        const float* key = K + (t0 + j) * D;
+        const float* key = K.at(t0 + j);
         for (int64_t v = 0; v < V; ++v) acc[j] = _mm256_fmadd_ps(qv[v], _mm256_loadu_ps(key + v * kLanes), acc[j]);
       }
     }
@@ -140,14 +152,14 @@ inline void softmax(float* s, int64_t n) {
 
 // out[0..D) = sum_t p[t] value_t, accumulating 64 columns at a time in registers.
 template <int64_t D>
-inline void weighted_values(const float* p, const float* V, int64_t n, float* out) {
+inline void weighted_values(const float* p, const CacheRows<D>& V, int64_t n, float* out) {
   constexpr int64_t kCols = D < 64 ? D : 64, kVecs = kCols / kLanes;
   for (int64_t c = 0; c < D; c += kCols) {
     __m256 acc[kVecs];
     for (int64_t v = 0; v < kVecs; ++v) acc[v] = _mm256_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
       const __m256 w = _mm256_broadcast_ss(p + t);
-      const float* value = V + t * D + c;
+      const float* value = V.at(t) + c;
       for (int64_t v = 0; v < kVecs; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + v * kLanes), acc[v]);
     }
     for (int64_t v = 0; v < kVecs; ++v) _mm256_storeu_ps(out + c + v * kLanes, acc[v]);
@@ -155,28 +167,29 @@ inline void weighted_values(const float* p, const float* V, int64_t n, float* ou
 }
 #endif
 
-// One slot's KV head h: write the new key/value at position len, attend its G query heads over 0..len.
-// scores holds G rows of T + 8 floats.
+// One slot's KV head h: write the new key/value at position len, attend its G query heads over 0..len (rows
+// before n_shared from K_shared / V_shared). scores holds G rows of T + 8 floats.
 template <int64_t D>
-void attend_head(const float* qkv, float* K, float* V, int64_t len, int64_t H, int64_t Hkv, int64_t h, int64_t T,
-                 const float* cos, const float* sin_signed, const float* norm_w, float eps, float* scores,
-                 float* out) {
+void attend_head(const float* qkv, float* K, float* V, const float* K_shared, const float* V_shared, int64_t n_shared,
+                 int64_t len, int64_t H, int64_t Hkv, int64_t h, int64_t T, const float* cos, const float* sin_signed,
+                 const float* norm_w, float eps, float* scores, float* out) {
   const int64_t G = H / Hkv, n = len + 1, stride = T + 8;
   norm_rotate<D>(qkv + (H + h) * D, norm_w + (H + h) * D, cos, sin_signed, eps, K + len * D);
   std::memcpy(V + len * D, qkv + (H + Hkv + h) * D, D * sizeof(float));
+  const CacheRows<D> keys{K_shared, K, n_shared}, values{V_shared, V, n_shared};
   alignas(64) float q[kMaxGroup][D];
   for (int64_t g = 0; g < G; ++g) {
     norm_rotate<D>(qkv + (h * G + g) * D, norm_w + (h * G + g) * D, cos, sin_signed, eps, q[g]);
   }
 #if defined(__AVX2__) && defined(__FMA__)
   for (int64_t g = 0; g < G; ++g) {  // the head's keys and values stay in L1 across its G query heads
-    key_scores<D>(q[g], K, n, scores + g * stride);
+    key_scores<D>(q[g], keys, n, scores + g * stride);
     softmax(scores + g * stride, n);
-    weighted_values<D>(scores + g * stride, V, n, out + (h * G + g) * D);
+    weighted_values<D>(scores + g * stride, values, n, out + (h * G + g) * D);
   }
 #else
   for (int64_t t = 0; t < n; ++t) {  // every key row read once for the G query heads
-    const float* key = K + t * D;
+    const float* key = keys.at(t);
     for (int64_t g = 0; g < G; ++g) {
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += q[g][d] * key[d];
@@ -197,7 +210,7 @@ void attend_head(const float* qkv, float* K, float* V, int64_t len, int64_t H, i
   }
   alignas(64) float acc[kMaxGroup][D] = {};
   for (int64_t t = 0; t < n; ++t) {  // every value row read once
-    const float* value = V + t * D;
+    const float* value = values.at(t);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * stride + t];
       for (int64_t d = 0; d < D; ++d) acc[g][d] += p * value[d];
@@ -225,10 +238,14 @@ void check_f32(const torch::Tensor& t, const char* name) {
 
 // qkv [R, (H + 2 Hkv) D] (one row per live slot, slots 0..R-1); k_cache, v_cache [S, Hkv, T, D] (one layer);
 // lens [R] int64: each slot's position of the new token; cos, sin_signed [T, D]: rotary tables per position;
-// norm_w [H + Hkv, D]: q norm weights (attention scaling folded in), then k norm weights. Returns [R, H D].
+// norm_w [H + Hkv, D]: q norm weights (attention scaling folded in), then k norm weights; share_slots,
+// share_lens [R] int64: slot r reads its cache rows before share_lens[r] from slot share_slots[r] (which holds
+// the same rows: the same prompt), the rest from its own. Returns [R, H D].
 torch::Tensor decode_attention(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                               const torch::Tensor& lens, const torch::Tensor& cos, const torch::Tensor& sin_signed,
-                               const torch::Tensor& norm_w, double eps, int64_t n_heads) {
+                               const torch::Tensor& lens, const torch::Tensor& share_slots,
+                               const torch::Tensor& share_lens, const torch::Tensor& cos,
+                               const torch::Tensor& sin_signed, const torch::Tensor& norm_w, double eps,
+                               int64_t n_heads) {
   check_f32(qkv, "qkv");
   check_f32(k_cache, "k_cache");
   check_f32(v_cache, "v_cache");
@@ -240,7 +257,10 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, torch::Tensor& k_cache,
   const int64_t H = n_heads;
   TORCH_CHECK(H % Hkv == 0 && H / Hkv <= kMaxGroup, "unsupported heads per KV head: ", H, "/", Hkv);
   TORCH_CHECK(R <= k_cache.size(0) && lens.size(0) == R, "more rows than cache slots or lens");
-  TORCH_CHECK(R == 0 || lens.max().item<int64_t>() < T, "a position is past the cache length");
+  for (const auto* t : {&share_slots, &share_lens}) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->size(0) == R,
+                "share_slots and share_lens must be contiguous int64 with one entry per row");
+  }
   auto attend = D == 32 ? attend_head<32> : D == 64 ? attend_head<64> : D == 128 ? attend_head<128> : nullptr;
   TORCH_CHECK(attend != nullptr, "head_dim ", D, " has no fused decode kernel (32, 64, 128)");
   auto out = torch::empty({R, H * D}, qkv.options());
@@ -248,6 +268,16 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, torch::Tensor& k_cache,
   float* k_p = k_cache.data_ptr<float>();
   float* v_p = v_cache.data_ptr<float>();
   const int64_t* len_p = lens.data_ptr<int64_t>();
+  const int64_t* share_slot_p = share_slots.data_ptr<int64_t>();
+  const int64_t* share_len_p = share_lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(len_p[r] >= 0 && len_p[r] < T, "slot ", r, ": position ", len_p[r], " is outside the cache");
+    // shared rows lie before both slots' new positions, so no slot writes a row another one reads
+    TORCH_CHECK(share_slot_p[r] >= 0 && share_slot_p[r] < R && share_len_p[r] >= 0 && share_len_p[r] <= len_p[r] &&
+                    share_len_p[r] <= len_p[share_slot_p[r]],
+                "slot ", r, ": shares ", share_len_p[r], " rows of slot ", share_slot_p[r], " (live rows: ", R,
+                ", position ", len_p[r], ")");
+  }
   const float* cos_p = cos.data_ptr<float>();
   const float* sin_p = sin_signed.data_ptr<float>();
   const float* w_p = norm_w.data_ptr<float>();
@@ -256,11 +286,14 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, torch::Tensor& k_cache,
   at::parallel_for(0, R * Hkv, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * (T + 8));
     for (int64_t i = begin; i < end; ++i) {  // i = slot * Hkv + KV head
-      const int64_t r = i / Hkv, len = len_p[r];
-      prefetch_non_temporal(k_p + i * T * D, (len + 1) * D);
-      prefetch_non_temporal(v_p + i * T * D, (len + 1) * D);
-      attend(qkv_p + r * row, k_p + i * T * D, v_p + i * T * D, len, H, Hkv, i % Hkv, T, cos_p + len * D,
-             sin_p + len * D, w_p, static_cast<float>(eps), scores.data(), out_p + r * H * D);
+      const int64_t r = i / Hkv, len = len_p[r], n_shared = share_len_p[r];
+      const int64_t own = i * T * D, shared = (share_slot_p[r] * Hkv + i % Hkv) * T * D;
+      prefetch_non_temporal(k_p + shared, n_shared * D);
+      prefetch_non_temporal(v_p + shared, n_shared * D);
+      prefetch_non_temporal(k_p + own + n_shared * D, (len + 1 - n_shared) * D);
+      prefetch_non_temporal(v_p + own + n_shared * D, (len + 1 - n_shared) * D);
+      attend(qkv_p + r * row, k_p + own, v_p + own, k_p + shared, v_p + shared, n_shared, len, H, Hkv, i % Hkv,
+             T, cos_p + len * D, sin_p + len * D, w_p, static_cast<float>(eps), scores.data(), out_p + r * H * D);
     }
   });
   return out;

@@ -162,6 +162,7 @@ class _SlotState:
         self.tokens = torch.zeros(0, 0, dtype=torch.long, device=device)  # sampled tokens
         self.logprobs = torch.zeros(0, 0, device=device)  # their log-probs
         self.stops = torch.zeros(0, 0, dtype=torch.long, device=device)  # stop token ids, -1 padded
+        self.prompt = torch.zeros(0, dtype=torch.long, device=device)  # which admitted prompt (any unique id)
 
     def ensure(self, slots: int, width: int, n_stops: int, live: int) -> None:
         """At least ``slots`` rows, ``width`` tokens per row and ``n_stops`` stop ids, keeping live rows."""
@@ -179,10 +180,12 @@ class _SlotState:
         self.count, self.budget = grown(self.count), grown(self.budget)
         self.tokens, self.logprobs = grown(self.tokens, width), grown(self.logprobs, width)
         self.stops = grown(self.stops, n_stops, fill=-1)
+        self.prompt = grown(self.prompt)
 
-    def start(self, slots: slice, prompt_len: int, budget: int, stops: list[int]) -> None:
-        """New samples of one prompt in ``slots``: the prompt's length, no tokens yet."""
+    def start(self, slots: slice, prompt: int, prompt_len: int, budget: int, stops: list[int]) -> None:
+        """New samples of prompt number ``prompt`` in ``slots``: the prompt's length, no tokens yet."""
         self.lens[slots], self.count[slots], self.budget[slots] = prompt_len, 0, budget
+        self.prompt[slots] = prompt
         self.stops[slots] = -1
         self.stops[slots, : len(stops)] = torch.tensor(stops, dtype=torch.long, device=self.device)
 
@@ -203,8 +206,26 @@ class _SlotState:
         return self.tokens[slot, :n].tolist(), self.logprobs[slot, :n].tolist()
 
     def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        for t in (self.lens, self.pending, self.count, self.budget, self.tokens, self.logprobs, self.stops):
+        for t in (
+            self.lens,
+            self.pending,
+            self.count,
+            self.budget,
+            self.tokens,
+            self.logprobs,
+            self.stops,
+            self.prompt,
+        ):
             t[dst] = t[src]
+
+    def shared_prompts(self, live: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per live slot, the first live slot with the same prompt and the prompt's length: the cache rows
+        the two hold alike (the prefill wrote the prompt's keys and values into every sample's slot)."""
+        index = torch.arange(live, device=self.device)
+        _, prompt = torch.unique(self.prompt[:live], return_inverse=True)
+        first = torch.full((int(prompt.max()) + 1,), live, device=self.device)
+        first.scatter_reduce_(0, prompt, index, "amin")
+        return first[prompt], (self.lens - self.count + 1)[:live]  # lens = prompt + sampled - 1
 
 
 class TorchEngine(RolloutEngine):
@@ -249,6 +270,8 @@ class TorchEngine(RolloutEngine):
         self._positions = torch.arange(0)
         self._layer_weights: list[_LayerWeights] | None = None
         self._scratch_buffers: dict[str, torch.Tensor] = {}  # the native decode's projection outputs
+        self._prompts_admitted = 0  # numbers each admitted prompt, so its samples' slots can be matched
+        self._shared: tuple[torch.Tensor, torch.Tensor] | None = None  # per live slot: the prompt rows' owner
         self.peak_running = 0  # most samples decoded together so far (continuous-batching stat)
         if self.fast:
             cfg = model.config
@@ -380,7 +403,7 @@ class TorchEngine(RolloutEngine):
         """A step failed: every admitted job (and the batch being admitted) answers with the error, so no
         caller waits forever, and the engine starts clean."""
         jobs = {id(row["job"]): row["job"] for row in self._rows} | {id(j): j for j in self._admitting}
-        self._rows, self._admitting, self._live_configs = [], [], {}
+        self._rows, self._admitting, self._live_configs, self._shared = [], [], {}, None
         for job in jobs.values():
             job.error = f"{type(err).__name__}: {err}"
             job.remaining = 0
@@ -474,11 +497,17 @@ class TorchEngine(RolloutEngine):
         for job in batch:
             stops, prompt_len = self._stop_ids(job.sampling), len(job.request.input_ids)
             first = len(self._rows)
+            self._prompts_admitted += 1
             self._slots.start(
-                slice(first, first + job.remaining), prompt_len, job.sampling.max_new_tokens, stops
+                slice(first, first + job.remaining),
+                self._prompts_admitted,
+                prompt_len,
+                job.sampling.max_new_tokens,
+                stops,
             )
             self._rows.extend({"job": job, "index": s} for s in range(job.remaining))
             self._live_configs.setdefault(id(job.sampling), [job.sampling, 0])[1] += job.remaining
+        self._shared = None
         finished = self._sample_rows(logits[src], base, {id(j.sampling): j.sampling for j in batch})
         self._admitting = []
         self.peak_running = max(self.peak_running, len(self._rows))
@@ -593,11 +622,24 @@ class TorchEngine(RolloutEngine):
         k_cache, v_cache = self._cache  # type: ignore[misc]
         cos_table, sin_table = self._rotary  # type: ignore[misc]
         r = h.shape[0]
+        if self._shared is None:
+            self._shared = self._slots.shared_prompts(r)
+        share_slots, share_lens = self._shared
         for li, w in enumerate(self._decode_weights()):
             x = kernels.rms_norm(h, w.input_norm, eps)
             qkv = torch.mm(x, w.qkv.t(), out=self._scratch("qkv", r, w.qkv.shape[0]))
             attn = kernels.decode_attention(
-                qkv, k_cache[li], v_cache[li], lens, cos_table, sin_table, w.qk_norm, eps, self.n_heads
+                qkv,
+                k_cache[li],
+                v_cache[li],
+                lens,
+                share_slots,
+                share_lens,
+                cos_table,
+                sin_table,
+                w.qk_norm,
+                eps,
+                self.n_heads,
             )
             h = torch.addmm(h, attn, w.o_t, out=self._scratch("residual_attn", r, h.shape[1]))
             x = kernels.rms_norm(h, w.post_norm, eps)
@@ -660,6 +702,7 @@ class TorchEngine(RolloutEngine):
             for hole, mover in zip(holes, movers):
                 self._rows[hole] = self._rows[mover]
         del self._rows[live:]
+        self._shared = None
 
     def _publish(self, row: dict[str, Any], slot: int) -> None:
         """Store a finished row's result in its job; the job is done once all its samples are."""

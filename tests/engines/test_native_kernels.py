@@ -35,20 +35,25 @@ def test_rms_norm_and_silu_mul_match_torch(kernels) -> None:
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 32), (8, 8, 64), (16, 2, 128)])
 def test_decode_attention_matches_the_eager_math(kernels, heads: int, kv_heads: int, head_dim: int) -> None:
-    """q/k RMS norm, rotary, the cache write at each slot's position and softmax attention over 0..pos,
-    against the same steps written out in torch; cache rows other than the new positions stay untouched."""
+    """q/k RMS norm, rotary, the cache write at each slot's position and softmax attention over 0..pos (rows
+    before a shared length read from the shared slot), against the same steps written out in torch; cache
+    rows other than the new positions stay untouched."""
     g = torch.Generator().manual_seed(heads)
     slots, rows, t_cap, eps = 7, 5, 40, 1e-6
     k_cache = torch.randn(slots, kv_heads, t_cap, head_dim, generator=g)
     v_cache = torch.randn(slots, kv_heads, t_cap, head_dim, generator=g)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g)
     lens = torch.tensor([0, 3, 17, 39, 8])
+    # slot 3 reads its first 9 rows from slot 2, slot 4 its first 3 from slot 1, slot 2 5 rows of its own
+    share_slots, share_lens = torch.tensor([0, 1, 2, 2, 1]), torch.tensor([0, 0, 5, 9, 3])
     angle = torch.randn(t_cap, head_dim, generator=g)
     cos, sin = angle.cos(), angle.sin()
     norm_w = torch.randn(heads + kv_heads, head_dim, generator=g)
     k_before, v_before = k_cache.clone(), v_cache.clone()
 
-    out = kernels.decode_attention(qkv, k_cache, v_cache, lens, cos, sin, norm_w, eps, heads)
+    out = kernels.decode_attention(
+        qkv, k_cache, v_cache, lens, share_slots, share_lens, cos, sin, norm_w, eps, heads
+    )
 
     heads_in = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
     normed = torch.nn.functional.rms_norm(heads_in, (head_dim,), None, eps) * norm_w
@@ -64,12 +69,27 @@ def test_decode_attention_matches_the_eager_math(kernels, heads: int, kv_heads: 
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0)
     group = heads // kv_heads
     for r in range(rows):
-        n = int(lens[r]) + 1
-        keys = expected_k[r, :, :n].repeat_interleave(group, 0)  # [heads, n, D]
-        values = expected_v[r, :, :n].repeat_interleave(group, 0)
+        n, shared, m = int(lens[r]) + 1, int(share_slots[r]), int(share_lens[r])
+        keys = torch.cat([expected_k[shared, :, :m], expected_k[r, :, m:n]], 1).repeat_interleave(group, 0)
+        values = torch.cat([expected_v[shared, :, :m], expected_v[r, :, m:n]], 1).repeat_interleave(group, 0)
         probs = torch.softmax((keys @ q[r].unsqueeze(-1)).squeeze(-1), -1)
         ref = (probs.unsqueeze(-1) * values).sum(1).reshape(-1)
         torch.testing.assert_close(out[r], ref, rtol=1e-4, atol=1e-5)
+    # slot 1 writes its position 3 in this call, so slot 4 may not read 4 rows of it
+    with pytest.raises(RuntimeError, match="slot 4: shares 4 rows of slot 1"):
+        kernels.decode_attention(
+            qkv,
+            k_cache,
+            v_cache,
+            lens,
+            share_slots,
+            torch.tensor([0, 0, 5, 9, 4]),
+            cos,
+            sin,
+            norm_w,
+            eps,
+            heads,
+        )
 
 
 def test_native_engine_greedy_equals_full_forward(tiny_model_dir: Path, tokenizer, model) -> None:
