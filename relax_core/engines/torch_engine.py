@@ -225,7 +225,11 @@ class _SlotState:
         _, prompt = torch.unique(self.prompt[:live], return_inverse=True)
         first = torch.full((int(prompt.max()) + 1,), live, device=self.device)
         first.scatter_reduce_(0, prompt, index, "amin")
-        return first[prompt], (self.lens - self.count + 1)[:live]  # lens = prompt + sampled - 1
+        return first[prompt], self.prompt_lens(live)
+
+    def prompt_lens(self, live: int) -> torch.Tensor:
+        """Each live slot's prompt length (``lens`` is the prompt plus the tokens sampled, minus one)."""
+        return (self.lens - self.count + 1)[:live]
 
 
 class TorchEngine(RolloutEngine):
@@ -464,9 +468,9 @@ class TorchEngine(RolloutEngine):
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lens.max())
         need_len = max(len(j.request.input_ids) + j.sampling.max_new_tokens for j in batch)
-        if self._rows:  # a live slot's prompt and budget: lens = prompt + sampled - 1
-            room = self._slots.lens - self._slots.count + self._slots.budget + 1
-            need_len = max(need_len, int(room[: len(self._rows)].max()))
+        if self._rows:  # a live slot's prompt and budget
+            live = len(self._rows)
+            need_len = max(need_len, int((self._slots.prompt_lens(live) + self._slots.budget[:live]).max()))
         total = len(self._rows) + sum(j.remaining for j in batch)
         self._ensure_cache(total, need_len)
         self._slots.ensure(
