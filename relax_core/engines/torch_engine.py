@@ -619,9 +619,9 @@ class TorchEngine(RolloutEngine):
         """:meth:`_layers` with the fused kernels: 8 ops a layer, the 4 projection matmuls and 4 kernel calls
         (two norms, attention with its q/k norm, rotary and cache write, silu·up).
 
-        The projections write into buffers reused every step (the residual stream alternates between two):
-        memory freshly allocated each step tends to be out of the CPU cache after the attention's cache reads,
-        the same buffers stay in it (about 2% of the tiny model's batch)."""
+        The qkv and gate/up projections write into buffers reused every step, and the output projections add
+        into the residual stream in place: memory freshly allocated each step tends to be out of the CPU cache
+        after the attention's cache reads, the same buffers stay in it (about 3% of the tiny model's batch)."""
         kernels, eps = self.kernels, self.model.config.rms_norm_eps
         k_cache, v_cache = self._cache  # type: ignore[misc]
         cos_table, sin_table = self._rotary  # type: ignore[misc]
@@ -645,12 +645,10 @@ class TorchEngine(RolloutEngine):
                 eps,
                 self.n_heads,
             )
-            h = torch.addmm(h, attn, w.o_t, out=self._scratch("residual_attn", r, h.shape[1]))
+            h.addmm_(attn, w.o_t)
             x = kernels.rms_norm(h, w.post_norm, eps)
             gate_up = torch.mm(x, w.gate_up.t(), out=self._scratch("gate_up", r, w.gate_up.shape[0]))
-            h = torch.addmm(
-                h, kernels.silu_mul(gate_up), w.down_t, out=self._scratch("residual_mlp", r, h.shape[1])
-            )
+            h.addmm_(kernels.silu_mul(gate_up), w.down_t)
         return h
 
     def _scratch(self, name: str, rows: int, cols: int) -> torch.Tensor:
