@@ -196,17 +196,19 @@ class _SlotState:
         self, rows: slice, token: torch.Tensor, logp: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append one sampled token per row of ``rows``; which rows hit a stop id, which used their budget."""
-        index = torch.arange(rows.start, rows.stop, device=self.device)
         count = self.count[rows]
-        self.tokens[index, count] = token
-        self.logprobs[index, count] = logp.to(self.logprobs.dtype)
+        self.tokens[rows].scatter_(1, count.unsqueeze(1), token.unsqueeze(1))
+        self.logprobs[rows].scatter_(1, count.unsqueeze(1), logp.to(self.logprobs.dtype).unsqueeze(1))
         count += 1
         self.pending[rows] = token
         return (token.unsqueeze(1) == self.stops[rows]).any(1), count >= self.budget[rows]
 
-    def output(self, slot: int) -> tuple[list[int], list[float]]:
-        n = int(self.count[slot])
-        return self.tokens[slot, :n].tolist(), self.logprobs[slot, :n].tolist()
+    def outputs(self, slots: list[int]) -> list[tuple[list[int], list[float]]]:
+        """Each slot's sampled tokens and log-probs, read out in one pass for all ``slots``."""
+        index = torch.tensor(slots, device=self.device)
+        counts = self.count[index].tolist()
+        tokens, logprobs = self.tokens[index].tolist(), self.logprobs[index].tolist()
+        return [(ids[:n], lps[:n]) for n, ids, lps in zip(counts, tokens, logprobs)]
 
     def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         for t in (
@@ -683,7 +685,7 @@ class TorchEngine(RolloutEngine):
             for j, row in enumerate(rows):
                 stop_strings = row["job"].sampling.stop_strings
                 if stop_strings and not stop_hit[j]:
-                    tail = self.tokenizer.decode(self._slots.output(first + j)[0][-16:])
+                    tail = self.tokenizer.decode(self._slots.outputs([first + j])[0][0][-16:])
                     stop_hit[j] = any(s in tail for s in stop_strings)
         finished = (stop_hit | full).nonzero().flatten().tolist()
         for j in finished:
@@ -695,8 +697,8 @@ class TorchEngine(RolloutEngine):
         slots stay 0..R-1."""
         if not finished:
             return
-        for i in finished:
-            self._publish(self._rows[i], i)
+        for i, output in zip(finished, self._slots.outputs(finished)):
+            self._publish(self._rows[i], *output)
         live = len(self._rows) - len(finished)
         holes = [i for i in finished if i < live]
         movers = [i for i in range(live, len(self._rows)) if "finish" not in self._rows[i]]
@@ -711,10 +713,9 @@ class TorchEngine(RolloutEngine):
         del self._rows[live:]
         self._shared = None
 
-    def _publish(self, row: dict[str, Any], slot: int) -> None:
+    def _publish(self, row: dict[str, Any], output_ids: list[int], logprobs: list[float]) -> None:
         """Store a finished row's result in its job; the job is done once all its samples are."""
         job: _Job = row["job"]
-        output_ids, logprobs = self._slots.output(slot)
         job.results[row["index"]] = GenerationResult(
             output_ids=output_ids,
             logprobs=logprobs,
