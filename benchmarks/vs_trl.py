@@ -64,7 +64,7 @@ Relax's ``relax_core.algorithms``), at the settings above:
   here: HF's default beta2 is 0.999, Relax's 0.99 (a real difference between the two tools' defaults).
   Grad-norm clip 1.0 and weight decay 0 in both.
 * sampling: TRL's default ``top_k=0``, ``top_p=1``, temperature 1 with HF ``generate()``; Relax samples the
-  same distribution (Gumbel-max) and stops at EOS.
+  same distribution (inverse CDF, one uniform per row) and stops at EOS.
 * dropout: none in either (TRL's ``disable_dropout`` defaults to False, the tiny Qwen3's attention_dropout is 0).
 
 So no difference in the objective explains a learning gap at these settings; what differs is the random

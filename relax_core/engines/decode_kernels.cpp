@@ -9,7 +9,8 @@
 //                     of a prompt's samples (AVX2 builds: scores 8 keys at a time, the softmax on vectors,
 //                     the weighted values accumulated in registers);
 //   rms_norm:         x * rsqrt(mean(x^2) + eps) * w per row;
-//   silu_mul:         silu(gate) * up for a fused [gate | up] projection.
+//   silu_mul:         silu(gate) * up for a fused [gate | up] projection;
+//   sample_rows:      a token per row from softmax(logits) and its log-prob, in one pass over the logits.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -20,6 +21,9 @@
 
 #if defined(__SSE__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <sleef.h>
 #endif
 
 namespace {
@@ -341,8 +345,78 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
+inline float row_max(const float* z, int64_t n) {
+  float top = z[0];
+  int64_t v = 1;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= kLanes) {
+    __m256 lanes = _mm256_loadu_ps(z);
+    for (v = kLanes; v + kLanes <= n; v += kLanes) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(z + v));
+    top = max_of(lanes);
+  }
+#endif
+  for (; v < n; ++v) top = std::max(top, z[v]);
+  return top;
+}
+
+// out[v] = exp(z[v] - top) for v < n, with the exp torch's own vectorised kernels use (SLEEF, linked into
+// libtorch_cpu) where this build has AVX2, so the weights are the ones torch computes bit for bit.
+inline void exp_shifted(const float* z, float top, int64_t n, float* out) {
+  int64_t v = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 shift = _mm256_set1_ps(top);
+  for (; v + kLanes <= n; v += kLanes) {
+    _mm256_storeu_ps(out + v, Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(z + v), shift)));
+  }
+  if (v < n) {  // the row's last lanes, padded with -inf (exp 0)
+    alignas(32) float tail[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) tail[j] = v + j < n ? z[v + j] : -INFINITY;
+    _mm256_store_ps(tail, Sleef_expf8_u10(_mm256_sub_ps(_mm256_load_ps(tail), shift)));
+    std::memcpy(out + v, tail, (n - v) * sizeof(float));
+  }
+#else
+  for (; v < n; ++v) out[v] = std::exp(z[v] - top);
+#endif
+}
+
+// Inverse-CDF sampling, one uniform per row (torch_engine.sample_tokens does the same with torch ops): the
+// weights w = exp(z - max z), their running sum accumulated in double and stored as float (as torch.cumsum
+// does), the token is the first whose running sum exceeds u * total (u < 1 keeps that below total in float).
+// Also its log-prob z - max z - log(sum w). Returns (token [R] int64, log-prob [R] float).
+std::vector<torch::Tensor> sample_rows(const torch::Tensor& scaled, const torch::Tensor& uniforms) {
+  check_f32(scaled, "scaled");
+  check_f32(uniforms, "uniforms");
+  const int64_t R = scaled.size(0), V = scaled.size(1);
+  TORCH_CHECK(uniforms.numel() == R, "sample_rows: ", uniforms.numel(), " uniforms for ", R, " rows");
+  auto token = torch::empty({R}, scaled.options().dtype(torch::kLong));
+  auto logprob = torch::empty({R}, scaled.options());
+  const float* z_p = scaled.data_ptr<float>();
+  const float* u_p = uniforms.data_ptr<float>();
+  int64_t* token_p = token.data_ptr<int64_t>();
+  float* logprob_p = logprob.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> cdf(V);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* z = z_p + r * V;
+      const float top = row_max(z, V);
+      exp_shifted(z, top, V, cdf.data());
+      double running = 0.0;
+      for (int64_t v = 0; v < V; ++v) {
+        running += cdf[v];
+        cdf[v] = static_cast<float>(running);
+      }
+      const float target = u_p[r] * cdf[V - 1];
+      const int64_t pick = std::upper_bound(cdf.begin(), cdf.end() - 1, target) - cdf.begin();
+      token_p[r] = pick;
+      logprob_p[r] = static_cast<float>(static_cast<double>(z[pick] - top) - std::log(running));
+    }
+  });
+  return {token, logprob};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "fused decode attention with cache write (fp32)");
   m.def("rms_norm", &rms_norm, "row-wise RMS norm (fp32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (fp32)");
+  m.def("sample_rows", &sample_rows, "inverse-CDF sampling of one token per row, and its log-prob (fp32)");
 }

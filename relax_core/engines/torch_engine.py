@@ -49,26 +49,29 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_tokens(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None, kernels: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token and its log-prob log softmax(z/T)[token] per row (greedy: argmax, T=1)."""
+    """Token and its log-prob log softmax(z/T)[token] per row (greedy: argmax, T=1).
+
+    Sampling is by inverse CDF with one uniform u per row: the token is the first whose running sum of
+    w = exp(z/T - max z/T) (zero outside top-k/top-p) exceeds u · sum w. One uniform per row instead of one
+    per logit (Gumbel-max, ``torch.multinomial``) is what makes it cheap on CPU. ``kernels`` (the native decode
+    kernels) sample an unfiltered row in one pass from the same uniform, so both paths pick the same tokens."""
     logits = logits.float()
     if sampling.greedy:
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
     scaled = logits if sampling.temperature == 1.0 else logits / sampling.temperature
-    logp = torch.log_softmax(scaled, -1)
-    kept = scaled
-    if sampling.top_k > 0 or sampling.top_p < 1.0:
-        kept = filter_logits(scaled, sampling.top_k, sampling.top_p)
-    token = (kept + _gumbel(kept.shape, generator, kept.device)).argmax(-1)
-    return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-
-
-def _gumbel(shape: torch.Size, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """Standard Gumbel noise: argmax(z + noise) samples softmax(z) exactly (the Gumbel-max trick); it needs
-    one uniform per logit, several times cheaper on CPU than the exponentials ``torch.multinomial`` draws."""
-    return torch.rand(shape, generator=generator, device=device).log_().neg_().log_().neg_()
+    uniforms = torch.rand(scaled.shape[0], generator=generator, device=scaled.device)
+    filtered = sampling.top_k > 0 or sampling.top_p < 1.0
+    if kernels is not None and not filtered:
+        token, logp = kernels.sample_rows(scaled, uniforms)
+        return token, logp
+    kept = filter_logits(scaled, sampling.top_k, sampling.top_p) if filtered else scaled
+    cdf = (kept - scaled.amax(-1, keepdim=True)).exp_().cumsum(-1)  # cumsum accumulates in double
+    # u < 1 keeps u · total below total in float, so some running sum exceeds it, at a token with weight
+    token = torch.searchsorted(cdf, uniforms.unsqueeze(-1) * cdf[:, -1:], right=True).squeeze(-1)
+    return token, torch.log_softmax(scaled, -1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -666,7 +669,7 @@ class TorchEngine(RolloutEngine):
         that finished and return their slots."""
         rows = self._rows[first : first + logits.shape[0]]
         if len(configs) == 1:
-            token, logp = sample_tokens(logits, next(iter(configs.values())), self.generator)
+            token, logp = sample_tokens(logits, next(iter(configs.values())), self.generator, self.kernels)
         else:
             token = torch.empty(len(rows), dtype=torch.long, device=self.device)
             logp = torch.empty(len(rows), device=self.device)
@@ -674,7 +677,9 @@ class TorchEngine(RolloutEngine):
                 picks = torch.tensor(
                     [j for j, row in enumerate(rows) if id(row["job"].sampling) == key], device=self.device
                 )
-                token[picks], logp[picks] = sample_tokens(logits[picks], sampling, self.generator)
+                token[picks], logp[picks] = sample_tokens(
+                    logits[picks], sampling, self.generator, self.kernels
+                )
         stop_hit, full = self._slots.record(slice(first, first + len(rows)), token, logp)
         if self.tokenizer is not None and any(c.stop_strings for c in configs.values()):
             for j, row in enumerate(rows):

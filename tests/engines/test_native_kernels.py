@@ -12,7 +12,7 @@ from engine_helpers import greedy_loop, make_engine, reqs
 
 from relax_core.engines.base import SamplingParams
 from relax_core.engines.native_decode import decode_kernels
-from relax_core.engines.torch_engine import TorchEngine
+from relax_core.engines.torch_engine import TorchEngine, sample_tokens
 from relax_core.errors import RelaxUserError
 
 
@@ -31,6 +31,24 @@ def test_rms_norm_and_silu_mul_match_torch(kernels) -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(kernels.silu_mul(gate_up), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sample_rows_picks_what_the_torch_sampler_picks(kernels) -> None:
+    """The fused sampler against ``sample_tokens``' torch ops from the same uniforms: the same token on every
+    row, log-probs equal to log-softmax, including rows whose mass sits on one token (the running sum reaches
+    its total early, so a uniform near 1 must still pick that token, not one after it)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4096, 99, generator=g) * 4
+    logits[:64, 7] = 200.0  # every other weight underflows to 0: the CDF is flat from token 7 on
+    for temperature in (1.0, 0.6):
+        sampling = SamplingParams(1, temperature=temperature)
+        token, logp = sample_tokens(logits, sampling, torch.Generator().manual_seed(1), kernels)
+        ref_token, ref_logp = sample_tokens(logits, sampling, torch.Generator().manual_seed(1))
+        assert torch.equal(token, ref_token)
+        assert (token[:64] == 7).all()
+        torch.testing.assert_close(logp, ref_logp, rtol=0, atol=2e-5)
+    uniforms = torch.tensor([0.0, 1 - 2**-24])  # the largest uniform torch.rand draws
+    assert kernels.sample_rows(torch.tensor([[0.0, -200.0], [0.0, -200.0]]), uniforms)[0].tolist() == [0, 0]
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 32), (8, 8, 64), (16, 2, 128)])
