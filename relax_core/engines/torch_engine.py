@@ -56,7 +56,8 @@ def sample_tokens(
     Sampling is by inverse CDF with one uniform u per row: the token is the first whose running sum of
     w = exp(z/T - max z/T) (zero outside top-k/top-p) exceeds u · sum w. One uniform per row instead of one
     per logit (Gumbel-max, ``torch.multinomial``) is what makes it cheap on CPU. ``kernels`` (the native decode
-    kernels) sample an unfiltered row in one pass from the same uniform, so both paths pick the same tokens."""
+    kernels) sample an unfiltered row in one pass from the same uniform and with the same exp, so from equal
+    logits both paths pick the same token."""
     logits = logits.float()
     if sampling.greedy:
         token = logits.argmax(-1)
