@@ -39,9 +39,11 @@ def _rewards(run_dir: Path) -> dict[int, float]:
 
 
 # PPO with a KL loss: a Critic and a Reference next to the Actor, 3 steps (the policy waits for the critic
-# in step 1), checkpointed at the end
+# in step 1), checkpointed at the end. Seed 2 draws some reward in every step, so the Critic has a return to
+# fit each step (with an all-zero return, its zero-initialised head has vf_loss exactly 0).
 PPO_KL_RUN = [
     *TINY_FSDP_RUN,
+    "seed=2",
     "algorithm=ppo",
     "algorithm.kl_loss_coef=0.01",
     "algorithm.critic.warmup_steps=1",
