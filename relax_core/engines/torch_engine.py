@@ -41,8 +41,10 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         probs = sorted_logits.softmax(-1)
-        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        # drop a token when the mass before it already reaches top_p; the top token always stays, also for a
+        # top_p below float32's range, which the comparison rounds to 0 (it would drop every token)
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

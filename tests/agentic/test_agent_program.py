@@ -173,7 +173,7 @@ def test_programs_that_crash_hang_or_never_report_fail_their_sessions_only(tmp_p
         FAULTY,
         "trainer.total_steps=2",
         "trainer.sft_warmup_steps=0",
-        "rollout.agent.episode_timeout_s=10",
+        "rollout.agent.episode_timeout_s=5",
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metric_rows(tmp_path)
@@ -183,7 +183,7 @@ def test_programs_that_crash_hang_or_never_report_fail_their_sessions_only(tmp_p
     assert rows[-1]["agent/restarts"] >= 2 * 3
     out = run.stdout + run.stderr
     assert "FAILED: the program exited with code 3" in out
-    assert "FAILED: no reward within rollout.agent.episode_timeout_s=10" in out
+    assert "FAILED: no reward within rollout.agent.episode_timeout_s=5" in out
 
 
 @pytest.mark.slow

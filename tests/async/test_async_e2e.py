@@ -33,7 +33,8 @@ ENV = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def launch(out: Path, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "relax_launch", *SMALL, *overrides, f"hydra.run.dir={out}"]
+    small = [o for o in SMALL if not o.startswith("cluster.")] if "cluster=in_process" in overrides else SMALL
+    cmd = [sys.executable, "-m", "relax_launch", *small, *overrides, f"hydra.run.dir={out}"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
 
 
@@ -80,7 +81,9 @@ def test_async_run_with_every_role_logs_staleness(tmp_path: Path) -> None:
 
 def test_max_staleness_zero_reproduces_colocate(tmp_path: Path) -> None:
     common = ["trainer.total_steps=3", "seed=5"]
-    finish(launch(tmp_path / "colocate", "mode=colocate", *common))  # one Ray start at a time
+    # colocate without Ray takes the Ray colocate run's steps exactly (tests/e2e/test_in_process.py), and
+    # starts in half the time
+    finish(launch(tmp_path / "colocate", "mode=colocate", "cluster=in_process", *common))
     finish(
         launch(
             tmp_path / "async", "mode=async", "mode.max_staleness=0", "mode.rollout_chunk_prompts=0", *common

@@ -142,6 +142,11 @@ def test_filter_logits_top_k_top_p() -> None:
     probs = logits.softmax(-1)[0]  # 0.64, 0.24, 0.09, 0.03
     kept = torch.isfinite(filter_logits(logits, -1, float(probs[0] + 0.01))[0])
     assert kept.tolist() == [True, True, False, False]
+    # a top_p float32 rounds to 0 (an HTTP body may send 5e-324) keeps the top token and samples it
+    kept = filter_logits(logits, -1, 5e-324)[0]
+    assert torch.isfinite(kept).tolist() == [True, False, False, False]
+    token, _ = sample_tokens(logits, SamplingParams(1, top_p=5e-324), torch.Generator().manual_seed(0))
+    assert token.tolist() == [0]
 
 
 def test_sampled_frequencies_follow_the_filtered_distribution() -> None:

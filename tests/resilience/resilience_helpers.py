@@ -25,6 +25,9 @@ TINY_RUN = [
     "rollout.num_threads=1",
     "trainer.num_threads=1",
 ]
+# the same run without Ray (every role in the launcher's process): it takes the Ray run's steps exactly
+# (tests/e2e/test_in_process.py) and starts in half the time, for runs that compare states, not processes
+TINY_RUN_IN_PROCESS = [o for o in TINY_RUN if not o.startswith("cluster.")] + ["cluster=in_process"]
 
 
 def compose(overrides: list[str], output_dir: Path) -> DictConfig:

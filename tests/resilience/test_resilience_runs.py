@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from resilience_helpers import TINY_RUN, actor_pid, compose, read_metrics, wait_for_step
+from resilience_helpers import TINY_RUN, TINY_RUN_IN_PROCESS, actor_pid, compose, read_metrics, wait_for_step
 
 from relax_launch.run import run_experiment
 
@@ -30,7 +30,7 @@ def test_run_exports_a_loadable_hf_model_checkpoints_and_notifies(tmp_path: Path
     run_dir = tmp_path / "run"
     cfg = compose(
         [
-            *TINY_RUN,
+            *TINY_RUN_IN_PROCESS,  # the export on Ray: test_actor_killed_after_the_last_step_still_exports_...
             "trainer.total_steps=4",
             "trainer.save_every=2",
             f"logger.notify_urls=[relaxfile://{notify}]",
@@ -197,7 +197,12 @@ def test_run_gives_up_after_max_global_restarts_with_a_report(tmp_path: Path) ->
 def test_ppo_resumed_from_a_checkpoint_continues_like_the_uninterrupted_run(tmp_path: Path) -> None:
     """The Critic (value model, optimizer, warm-up count) is part of a checkpoint: resuming PPO at step 3
     gives the uninterrupted run's rewards and value losses for steps 4-6."""
-    common = [*TINY_RUN, "algorithm=ppo", "algorithm.critic.warmup_steps=2", "trainer.total_steps=6"]
+    common = [
+        *TINY_RUN_IN_PROCESS,
+        "algorithm=ppo",
+        "algorithm.critic.warmup_steps=2",
+        "trainer.total_steps=6",
+    ]
     straight = tmp_path / "straight"
     run_experiment(compose([*common, "trainer.save_every=3"], straight))
     ckpt = straight / "checkpoints" / "step_000003"
