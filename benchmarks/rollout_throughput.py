@@ -17,8 +17,9 @@ a shared machine. vLLM runs as ``rollout=vllm`` does: a server process in its ow
 client (its numbers include the HTTP hop). ``--weight-updates N`` times N weight pushes per engine and
 strategy (torch: in-process ``load_state_dict``; vllm: ``distributed`` gloo broadcast and ``disk``), one
 ``weight_update_s`` line each (vLLM's on the server its throughput was measured on).
-``relax-torch-native`` is our engine with ``rollout.native_kernels=true`` (fp32; built on first use, a
-``skipped`` line says why when it cannot be). ``--ceiling`` adds, per model and dtype, the most tokens/s any engine could reach on this machine (see
+``relax-torch-native`` is our engine with ``rollout.native_kernels=true`` (built on first use, a ``skipped``
+line says why when it cannot be). bf16 lines (ours, native, HF) run where the CPU has ``avx512_bf16``; each
+model's ``speedup_vs_hf`` line compares every engine with HF ``generate()`` in the same dtype. ``--ceiling`` adds, per model and dtype, the most tokens/s any engine could reach on this machine (see
 :func:`decode_ceiling`), so a speed-up goal can be checked against what the hardware allows.
 Run: ``python benchmarks/rollout_throughput.py [--sizes tiny,25m] [--measure-roof] [--ceiling]
 [--weight-updates 3]``.
@@ -152,7 +153,8 @@ def native_kernels_reason() -> str | None:
     return None
 
 
-def run_hf(model, tokenizer, prompts, n, new_tokens, repeats: int) -> float:
+def run_hf(model, tokenizer, prompts, n, new_tokens, repeats: int, dtype: torch.dtype | None = None) -> float:
+    model = model if dtype is None else model.to(dtype)
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id)
     mask = torch.zeros_like(ids)
@@ -272,10 +274,14 @@ def main() -> None:
         mean_ctx = sum(len(p) for p in prompts) / len(prompts) + args.new_tokens / 2
         params = sum(p.numel() for p in load_causal_lm(path).parameters())
         runs = [("relax-torch", "float32")] + ([("relax-torch", "bfloat16")] if bf16 else [])
-        runs += [("relax-torch-native", "float32")] if native_reason is None else []
-        runs += [] if args.skip_hf else [("hf-generate", "float32")]
+        if native_reason is None:
+            runs += [("relax-torch-native", "float32")] + (
+                [("relax-torch-native", "bfloat16")] if bf16 else []
+            )
+        if not args.skip_hf:
+            runs += [("hf-generate", "float32")] + ([("hf-generate", "bfloat16")] if bf16 else [])
         runs += [("vllm-cpu", "bfloat16" if bf16 else "float32")] if vllm_unavailable_reason() is None else []
-        hf_rate = None
+        hf_rates: dict[str, float] = {}  # dtype -> HF generate()'s tokens/s
         results = []
         update_lines: list[dict] = []
         for engine, dtype in runs:
@@ -293,7 +299,13 @@ def main() -> None:
                 )
             elif engine == "hf-generate":
                 seconds = run_hf(
-                    load_causal_lm(path), tokenizer, prompts, args.samples, args.new_tokens, args.repeats
+                    load_causal_lm(path),
+                    tokenizer,
+                    prompts,
+                    args.samples,
+                    args.new_tokens,
+                    args.repeats,
+                    getattr(torch, dtype),
                 )
                 tokens = budget
             else:
@@ -310,7 +322,7 @@ def main() -> None:
                 update_lines += [weight_update_line(size, params, engine, k, v) for k, v in updates.items()]
             rate = tokens / seconds
             if engine == "hf-generate":
-                hf_rate = rate
+                hf_rates[dtype] = rate
             gflops = rate * flops_per_token(load_causal_lm(path), mean_ctx) / 1e9
             line = {
                 "model": size,
@@ -335,8 +347,12 @@ def main() -> None:
                 line = {"model": size, "params": params, "engine": "ceiling", "dtype": dtype, **ceiling}
                 print(json.dumps(line), flush=True)
                 results.append(line)
-        if hf_rate:  # one summary line per model: speed-ups over HF generate()
-            speedups = {f"{r['engine']}/{r['dtype']}": round(r["tokens_per_s"] / hf_rate, 2) for r in results}
+        if hf_rates:  # one summary line per model: speed-ups over HF generate() in the same dtype
+            speedups = {
+                f"{r['engine']}/{r['dtype']}": round(r["tokens_per_s"] / hf_rates[r["dtype"]], 2)
+                for r in results
+                if r["dtype"] in hf_rates
+            }
             print(json.dumps({"model": size, "speedup_vs_hf": speedups}), flush=True)
         if args.weight_updates:  # the torch engine's in-process swap, next to vLLM's pushes
             state = load_causal_lm(path).state_dict()

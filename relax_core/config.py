@@ -351,8 +351,8 @@ class RolloutConfig:
     dtype: str = "float32"
     # torch engine: samples decoded together (continuous-batching slots)
     max_running: int = 1024
-    # torch engine: fused C++ kernels for the fp32 CPU decode step, built on first use with the host's C++
-    # compiler (relax_core/engines/native_decode.py)
+    # torch engine: fused C++ kernels for the fp32 or bf16 CPU decode step, built on first use with the
+    # host's C++ compiler (relax_core/engines/native_decode.py)
     native_kernels: bool = False
     # external SGLang-compatible servers joined at launch, besides the num_engines Ray engines
     engine_urls: list[str] = field(default_factory=list)

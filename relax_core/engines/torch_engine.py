@@ -116,10 +116,13 @@ class _LayerWeights:
     down_t: torch.Tensor
 
 
-def _layer_weights(layer: torch.nn.Module, n_heads: int, n_kv: int) -> _LayerWeights:
+def _layer_weights(
+    layer: torch.nn.Module, n_heads: int, n_kv: int, qk_norm_dtype: torch.dtype | None = None
+) -> _LayerWeights:
     a, mlp = layer.self_attn, layer.mlp
     # folding the score scaling into q's norm weight saves one op on the scores per layer
     qk_norm = torch.cat([(a.q_norm.weight * a.scaling).expand(n_heads, -1), a.k_norm.weight.expand(n_kv, -1)])
+    qk_norm = qk_norm if qk_norm_dtype is None else qk_norm.to(qk_norm_dtype)
     return _LayerWeights(
         input_norm=layer.input_layernorm.weight,
         qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
@@ -294,14 +297,15 @@ class TorchEngine(RolloutEngine):
         self.kernels = self._native_kernels() if native_kernels else None
 
     def _native_kernels(self) -> Any:
-        """The fused decode kernels (:mod:`relax_core.engines.native_decode`), for the fp32 CPU text path."""
+        """The fused decode kernels (:mod:`relax_core.engines.native_decode`), for the fp32 or bf16 CPU text
+        path."""
         from relax_core.engines.native_decode import KERNEL_HEAD_DIMS, KERNEL_MAX_GROUP, decode_kernels
         from relax_core.errors import RelaxUserError
 
         dtype = next(self.model.parameters()).dtype
-        if not self.fast or dtype != torch.float32 or self.device.type != "cpu":
+        if not self.fast or dtype not in (torch.float32, torch.bfloat16) or self.device.type != "cpu":
             raise RelaxUserError(
-                "rollout.native_kernels=true runs the fp32 CPU decode of text Qwen3 models; this engine has "
+                "rollout.native_kernels=true runs the fp32 or bf16 CPU decode of text Qwen3 models; this engine has "
                 f"{type(self.model).__name__} in {dtype} on {self.device.type}"
             )
         if self.head_dim not in KERNEL_HEAD_DIMS or self.n_heads // self.n_kv > KERNEL_MAX_GROUP:
@@ -445,7 +449,8 @@ class TorchEngine(RolloutEngine):
             new_v[:, :r, :, :t] = old_v[:, :r]
         self._cache = (new_k, new_v)
         self._positions = torch.arange(length, device=self.device)
-        self._rotary = self._rotary_tables(self._positions, dtype)
+        # the native attention rotates in fp32 from fp32 tables, whatever the model's dtype
+        self._rotary = self._rotary_tables(self._positions, dtype if self.kernels is None else torch.float32)
 
     def _rotary_tables(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -567,8 +572,11 @@ class TorchEngine(RolloutEngine):
 
     def _decode_weights(self) -> list[_LayerWeights]:
         if self._layer_weights is None:
+            # the native attention takes its q/k norm weights in fp32, whatever the model's dtype
+            norm_dtype = torch.float32 if self.kernels is not None else None
             self._layer_weights = [
-                _layer_weights(layer, self.n_heads, self.n_kv) for layer in self.model.model.layers
+                _layer_weights(layer, self.n_heads, self.n_kv, norm_dtype)
+                for layer in self.model.model.layers
             ]
         return self._layer_weights
 
@@ -663,7 +671,8 @@ class TorchEngine(RolloutEngine):
         """The first ``rows`` rows of a ``[≥ rows, cols]`` buffer kept across decode steps."""
         buffer = self._scratch_buffers.get(name)
         if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != cols:
-            buffer = self._scratch_buffers[name] = torch.empty(rows, cols, device=self.device)
+            dtype = next(self.model.parameters()).dtype
+            buffer = self._scratch_buffers[name] = torch.empty(rows, cols, dtype=dtype, device=self.device)
         return buffer[:rows]
 
     def _sample_rows(self, logits: torch.Tensor, first: int, configs: dict[int, SamplingParams]) -> list[int]:

@@ -1,6 +1,6 @@
 """The fused decode kernels (``rollout.native_kernels=true``), compiled here with the machine's compiler: each
-kernel against the eager ops it replaces, and the engine on them against plain full forwards and against the
-eager engine's sampled tokens and log-probs."""
+kernel against the eager ops it replaces, in fp32 and bf16, and the engine on them against plain full forwards
+and against the eager engine's sampled tokens and log-probs."""
 
 from __future__ import annotations
 
@@ -21,16 +21,22 @@ def kernels():
     return decode_kernels()
 
 
-def test_rms_norm_and_silu_mul_match_torch(kernels) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_silu_mul_match_torch(kernels, dtype: torch.dtype) -> None:
+    """Against torch's own ops in the same dtype (bf16: rounded where they round, so at most one bf16 step
+    apart)."""
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-5}
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(37, 96, generator=g) * 3, torch.randn(96, generator=g)
-    ref = torch.nn.functional.rms_norm(x, (96,), w, 1e-6)
-    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), ref, rtol=1e-5, atol=1e-5)
+    x, w = (torch.randn(37, 96, generator=g) * 3).to(dtype), torch.randn(96, generator=g).to(dtype)
+    ref = torch.nn.functional.rms_norm(x.float(), (96,), None, 1e-6).to(dtype) * w
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), ref, **tol)
     gate_up = torch.randn(37, 2 * 50, generator=g) * 4
     gate_up[0, :4] = torch.tensor([-120.0, -30.0, 30.0, 120.0])  # exp would overflow/underflow naively
-    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate_up.to(dtype).chunk(2, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
-    torch.testing.assert_close(kernels.silu_mul(gate_up), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernels.silu_mul(gate_up.to(dtype)), ref, **tol)
+    with pytest.raises(RuntimeError, match="w is Half: the kernels run float32 or bfloat16"):
+        kernels.rms_norm(x, w.half(), 1e-6)
 
 
 def test_sample_rows_picks_what_the_torch_sampler_picks(kernels) -> None:
@@ -51,16 +57,20 @@ def test_sample_rows_picks_what_the_torch_sampler_picks(kernels) -> None:
     assert kernels.sample_rows(torch.tensor([[0.0, -200.0], [0.0, -200.0]]), uniforms)[0].tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 32), (8, 8, 64), (16, 2, 128)])
-def test_decode_attention_matches_the_eager_math(kernels, heads: int, kv_heads: int, head_dim: int) -> None:
+def test_decode_attention_matches_the_eager_math(
+    kernels, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
     """q/k RMS norm, rotary, the cache write at each slot's position and softmax attention over 0..pos (rows
-    before a shared length read from the shared slot), against the same steps written out in torch; cache
-    rows other than the new positions stay untouched."""
+    before a shared length read from the shared slot), against the same steps written out in fp32 torch from
+    the same inputs; cache rows other than the new positions stay untouched. In bf16 the new key row and the
+    output are the fp32 results rounded once to bf16."""
     g = torch.Generator().manual_seed(heads)
     slots, rows, t_cap, eps = 7, 5, 40, 1e-6
-    k_cache = torch.randn(slots, kv_heads, t_cap, head_dim, generator=g)
-    v_cache = torch.randn(slots, kv_heads, t_cap, head_dim, generator=g)
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g)
+    k_cache = torch.randn(slots, kv_heads, t_cap, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, t_cap, head_dim, generator=g).to(dtype)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     lens = torch.tensor([0, 3, 17, 39, 8])
     # slot 3 reads its first 9 rows from slot 2, slot 4 its first 3 from slot 1, slot 2 5 rows of its own
     share_slots, share_lens = torch.tensor([0, 1, 2, 2, 1]), torch.tensor([0, 0, 5, 9, 3])
@@ -73,7 +83,7 @@ def test_decode_attention_matches_the_eager_math(kernels, heads: int, kv_heads: 
         qkv, k_cache, v_cache, lens, share_slots, share_lens, cos, sin, norm_w, eps, heads
     )
 
-    heads_in = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
+    heads_in = qkv[:, : (heads + kv_heads) * head_dim].float().view(rows, heads + kv_heads, head_dim)
     normed = torch.nn.functional.rms_norm(heads_in, (head_dim,), None, eps) * norm_w
     c, s = cos[lens].unsqueeze(1), sin[lens].unsqueeze(1)
     rotated = normed * c + normed.roll(head_dim // 2, -1) * s
@@ -81,10 +91,13 @@ def test_decode_attention_matches_the_eager_math(kernels, heads: int, kv_heads: 
     v_new = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
     expected_k, expected_v = k_before.clone(), v_before.clone()
     for r in range(rows):
-        expected_k[r, :, lens[r]] = k_new[r]
+        expected_k[r, :, lens[r]] = k_new[r].to(dtype)
         expected_v[r, :, lens[r]] = v_new[r]
-    torch.testing.assert_close(k_cache, expected_k, rtol=1e-5, atol=1e-5)
+    # bf16: one rounding step apart where the fp32 results sit near a rounding boundary
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-5}
+    torch.testing.assert_close(k_cache, expected_k, **tol)
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0)
+    expected_k, expected_v = expected_k.float(), expected_v.float()
     group = heads // kv_heads
     for r in range(rows):
         n, shared, m = int(lens[r]) + 1, int(share_slots[r]), int(share_lens[r])
@@ -92,7 +105,8 @@ def test_decode_attention_matches_the_eager_math(kernels, heads: int, kv_heads: 
         values = torch.cat([expected_v[shared, :, :m], expected_v[r, :, m:n]], 1).repeat_interleave(group, 0)
         probs = torch.softmax((keys @ q[r].unsqueeze(-1)).squeeze(-1), -1)
         ref = (probs.unsqueeze(-1) * values).sum(1).reshape(-1)
-        torch.testing.assert_close(out[r], ref, rtol=1e-4, atol=1e-5)
+        tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-4}
+        torch.testing.assert_close(out[r].float(), ref.to(dtype).float(), **tol)
     # slot 1 writes its position 3 in this call, so slot 4 may not read 4 rows of it
     with pytest.raises(RuntimeError, match="slot 4: shares 4 rows of slot 1"):
         kernels.decode_attention(
@@ -137,11 +151,37 @@ def test_native_engine_samples_what_the_eager_engine_samples(tiny_model_dir: Pat
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
 
 
+@torch.no_grad()
+def test_native_bf16_log_probs_are_as_faithful_as_the_eager_bf16_ones(
+    tiny_model_dir: Path, tokenizer, model
+) -> None:
+    """bf16 rounds at different places in the two paths, so their samples part after some tokens; what must
+    hold is that the native path is as faithful: each engine's log-probs of its own samples against the fp32
+    model's log-probs of those tokens (teacher forcing)."""
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.0, n=8)
+    errors = {}
+    for native in (False, True):
+        engine = make_engine(tiny_model_dir, tokenizer, seed=3, dtype=torch.bfloat16, native_kernels=native)
+        requests = reqs(tokenizer)
+        results = engine.generate(requests, sampling)
+        diffs = []
+        for i, result in enumerate(results):
+            prompt = requests[i // sampling.n].input_ids
+            logits = model(torch.tensor([prompt + result.output_ids])).logits[0, len(prompt) - 1 : -1]
+            chosen = torch.tensor(result.output_ids).unsqueeze(-1)
+            fp32 = torch.log_softmax(logits.float(), -1).gather(-1, chosen).squeeze(-1)
+            diffs.append((torch.tensor(result.logprobs) - fp32).abs())
+        errors[native] = torch.cat(diffs)
+    assert errors[False].max() > 0  # bf16 does round: the comparison is not between two fp32 runs
+    assert errors[True].max() < 0.05
+    assert errors[True].mean() <= 2 * errors[False].mean()
+
+
 def test_native_kernels_refuse_what_they_do_not_run(tiny_model_dir: Path, tokenizer) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    with pytest.raises(RelaxUserError, match="fp32 CPU decode.*bfloat16"):
-        make_engine(tiny_model_dir, tokenizer, dtype=torch.bfloat16, native_kernels=True)
+    with pytest.raises(RelaxUserError, match="fp32 or bf16 CPU decode.*float16"):
+        make_engine(tiny_model_dir, tokenizer, dtype=torch.float16, native_kernels=True)
     odd_heads = Qwen3ForCausalLM(
         Qwen3Config(
             vocab_size=64,
