@@ -404,7 +404,13 @@ class ServerThread:
         self.thread.join(timeout=10)
 
 
-def build_server_engine(model_path: str, dtype: str = "float32", seed: int = 0, max_running: int = 1024):
+def build_server_engine(
+    model_path: str,
+    dtype: str = "float32",
+    seed: int = 0,
+    max_running: int = 1024,
+    native_kernels: bool = False,
+):
     """A :class:`TorchEngine` and tokenizer for ``model_path`` (the model family is read from its config)."""
     import torch
     from transformers import AutoConfig
@@ -424,6 +430,7 @@ def build_server_engine(model_path: str, dtype: str = "float32", seed: int = 0, 
         tokenizer=tokenizer,
         family=family,
         max_running=max_running,
+        native_kernels=native_kernels,
     )
     return engine, tokenizer
 
@@ -458,6 +465,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     parser.add_argument("--max-running", type=int, default=1024, help="samples decoded together")
     parser.add_argument(
+        "--native-kernels",
+        action="store_true",
+        help="decode on the fused C++ kernels (rollout.native_kernels; fp32 or bf16 CPU, built on first use)",
+    )
+    parser.add_argument(
         "--weights-dir",
         action="append",
         help="folder /update_weights_from_disk may load from (repeatable; default: the working directory)",
@@ -474,7 +486,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine, tokenizer = build_server_engine(args.model, args.dtype, args.seed, args.max_running)
+    try:
+        engine, tokenizer = build_server_engine(
+            args.model, args.dtype, args.seed, args.max_running, args.native_kernels
+        )
+    except RelaxUserError as err:
+        sys.exit(f"error: {err}")
     limits = ServerLimits.of(engine, args.kv_cache_gb)
     app = create_app(engine, tokenizer, args.model, args.weights_dir, args.token, limits)
     log.info("serving %s on http://%s:%d", args.model, args.host, args.port)

@@ -219,6 +219,28 @@ def test_token_guards_every_endpoint(tiny_model_dir, tokenizer) -> None:
     )
 
 
+def test_server_refuses_native_kernels_in_a_dtype_they_do_not_run(tiny_model_dir) -> None:
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relax_core.engines.http_server",
+            "--model",
+            str(tiny_model_dir),
+            "--native-kernels",
+            "--dtype",
+            "float16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 1
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rollout.native_kernels=true runs the fp32 or bf16 CPU decode"), last
+    assert "torch.float16" in last
+
+
 def test_concurrent_requests_share_decode_steps(server, tokenizer) -> None:
     """Many HTTP requests at once are batched together by the server's engine loop."""
     url, engine = server
@@ -265,8 +287,12 @@ def test_router_least_outstanding_groups_and_health(tiny_model_dir, tokenizer) -
 
 
 @pytest.mark.slow
-def test_standalone_server_one_command(tiny_model_dir, tokenizer) -> None:
-    """``python -m relax_core.engines.http_server --model PATH --port N`` serves /generate."""
+@pytest.mark.parametrize(
+    "engine_args", [[], ["--native-kernels", "--dtype", "bfloat16"]], ids=["eager", "native"]
+)
+def test_standalone_server_one_command(tiny_model_dir, tokenizer, engine_args: list[str]) -> None:
+    """``python -m relax_core.engines.http_server --model PATH --port N`` serves /generate, on the eager step
+    or on the fused kernels in bf16."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -277,7 +303,9 @@ def test_standalone_server_one_command(tiny_model_dir, tokenizer) -> None:
         "--port",
         str(port),
     ]
-    proc = subprocess.Popen(cmd + ["--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd + ["--threads", "1", *engine_args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         client = HttpEngine(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 120
