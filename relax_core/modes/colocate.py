@@ -186,7 +186,7 @@ class ColocateMode(Mode):
         values (Critic), teacher log-probs (Teacher)."""
         roles = self.roles
         if roles.reference is not None:
-            batch.extras["ref_logprobs"] = roles.reference.call_collective("compute_ref_log_probs", batch)
+            batch.extras["ref_logprobs"] = roles.reference.call_collective("compute_log_probs", batch)
         if needs_old_logprobs(self.cfg, len(batch)):
             # several updates per batch: the first one's log-probs are the behaviour policy's (ActorFwd)
             batch.extras["old_logprobs"] = roles.actor.call_collective("compute_log_probs", batch)

@@ -18,54 +18,23 @@ from types import SimpleNamespace
 
 import torch
 
-from relax_core.backends import build_backend
 from relax_core.databus import DataBus
-from relax_core.databus.stages import score_stage
 from relax_core.errors import RelaxUserError
-from relax_core.roles import use_threads
+from relax_core.roles.scorer import FrozenScorer
 from relax_core.samples import TrainBatch
 from relax_models.cache import build_once, cache_root
 
 log = logging.getLogger("relax")
 
 
-class Teacher:
+class Teacher(FrozenScorer):
+    """Scores with ``algorithm.teacher.path`` through the torch backend, whatever the student trains on."""
+
+    stage = "teacher"
+    column = "teacher_logprobs"
+
     def __init__(self, cfg, teacher_path: str, bus: DataBus | None = None, sharded: bool = False) -> None:
-        """``sharded``: this process is one rank of a group as large as the Actor's (colocate mode with
-        ``trainer.fsdp``): the frozen teacher is FSDP-sharded over it and every call runs collectively."""
-        from relax_models.loader import load_tokenizer
-
-        use_threads(cfg.trainer.num_threads)
-        self.micro_batch_size = cfg.trainer.micro_batch_size
-        self.bus = bus
-        self.pad = load_tokenizer(teacher_path).pad_token_id if bus is not None else 0
-        self.backend = build_backend(
-            "torch",
-            teacher_path,
-            cfg.trainer,
-            cfg.model,
-            cfg.rollout.temperature,
-            cfg.seed,
-            trainable=False,
-            sharded=sharded,
-        )
-
-    def compute_log_probs(self, batch: TrainBatch) -> torch.Tensor:
-        """log π_teacher of the student's response tokens ``[B, R]``, at the rollout temperature."""
-        return self.backend.forward_logprobs(batch, self.micro_batch_size)
-
-    def process(self, step: int, total: int) -> dict[str, float]:
-        """mode=async: teacher log-probs of step ``step``'s rows, as they land on the bus."""
-        return score_stage(
-            self.bus,
-            self.pad,
-            step,
-            total,
-            "teacher",
-            "teacher_logprobs",
-            self.micro_batch_size,
-            self.compute_log_probs,
-        )
+        super().__init__(cfg, teacher_path, "torch", cfg.trainer, bus, sharded)
 
 
 def check_tokenizer_match(student_path: str, teacher_path: str) -> None:

@@ -128,12 +128,12 @@ def test_reference_scores_with_the_initial_policy(
     actor = Actor(cfg, str(tiny_model_dir))
     reference = Reference(cfg, str(tiny_model_dir))
     initial = actor.compute_log_probs(batch)
-    assert torch.allclose(reference.compute_ref_log_probs(batch), initial, atol=1e-6)
+    assert torch.allclose(reference.compute_log_probs(batch), initial, atol=1e-6)
     for _ in range(2):
         actor.train(batch)
     assert not torch.allclose(actor.compute_log_probs(batch), initial, atol=1e-4)
     # the Reference stays frozen at the initial weights
-    assert torch.allclose(reference.compute_ref_log_probs(batch), initial, atol=1e-6)
+    assert torch.allclose(reference.compute_log_probs(batch), initial, atol=1e-6)
     assert not any(p.requires_grad for p in reference.backend.model.parameters())
 
 
