@@ -153,8 +153,8 @@ def native_kernels_reason() -> str | None:
     return None
 
 
-def run_hf(model, tokenizer, prompts, n, new_tokens, repeats: int, dtype: torch.dtype | None = None) -> float:
-    model = model if dtype is None else model.to(dtype)
+def run_hf(model, tokenizer, prompts, n, new_tokens, repeats: int, dtype: torch.dtype) -> float:
+    model = model.to(dtype)
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id)
     mask = torch.zeros_like(ids)
