@@ -6,6 +6,8 @@ import json
 import logging
 import math
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,64 @@ def format_step_line(step: int, total: int, m: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
+def experiment_id(client, name: str) -> str:
+    """The id of MLflow experiment ``name`` in ``client``'s store, created when missing."""
+    experiment = client.get_experiment_by_name(name)
+    return experiment.experiment_id if experiment else client.create_experiment(name)
+
+
+class MlflowRun:
+    """This run's MLflow run, written through a client rather than MLflow's process-wide active run.
+
+    Opening a fresh SQLite store (import, schema migrations, params) takes seconds, so it happens on a
+    thread while the roles start; the first metrics wait for it. A store that cannot be opened fails the
+    first ``log_metrics`` with MLflow's own error, and is left alone when the run finishes.
+    """
+
+    def __init__(self, uri: str, logger_cfg, params: dict[str, str], config_path: Path) -> None:
+        self.uri = uri
+        self._opening = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-mlflow")
+        self._opened = self._opening.submit(self._open, logger_cfg, params, config_path)
+
+    def _open(self, logger_cfg, params: dict[str, str], config_path: Path) -> tuple[Any, str]:
+        os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.uri)
+        parent = os.environ.get("RELAX_PARENT_RUN_ID")  # a sweep's point nests under the sweep's run
+        run = client.create_run(
+            experiment_id(client, logger_cfg.experiment_name),
+            run_name=logger_cfg.run_name,
+            tags={"mlflow.parentRunId": parent} if parent else None,
+        )
+        run_id = run.info.run_id
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+            client.log_batch(run_id, params=items[i : i + 100])
+        client.log_artifact(run_id, str(config_path))
+        log.info("MLflow run %s at %s", run_id, self.uri)
+        return client, run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        from mlflow.entities import Metric
+
+        client, run_id = self._opened.result()
+        now = int(time.time() * 1000)
+        client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+
+    def finish(self, metrics: dict[str, float], artifacts: list[Path], status: str) -> None:
+        self._opening.shutdown()
+        if self._opened.exception() is not None:  # already raised by log_metrics; the run's own error stands
+            return
+        client, run_id = self._opened.result()
+        self.log_metrics(metrics)
+        for path in artifacts:
+            client.log_artifact(run_id, str(path))
+        client.set_terminated(run_id, status)
+
+
 class MetricsSink:
     """One per run, in the driver. MLflow holds params (flattened config), per-step metrics, artefacts;
     TensorBoard (``logger=tensorboard``, or ``logger.tensorboard=true`` next to another logger) gets the
@@ -69,23 +129,9 @@ class MetricsSink:
         log.info("TensorBoard events in %s (tensorboard --logdir %s)", folder, folder)
 
     def _start_mlflow(self, resolved: dict[str, Any]) -> None:
-        os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
-        logging.getLogger("alembic").setLevel(logging.WARNING)
-        import mlflow
-
         uri = self.cfg.logger.tracking_uri or f"sqlite:///{(self.out / 'mlflow.db').resolve()}"
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(self.cfg.logger.experiment_name)
-        parent = os.environ.get("RELAX_PARENT_RUN_ID")
-        run = mlflow.start_run(run_name=self.cfg.logger.run_name, nested=bool(parent), parent_run_id=parent)
         params = {k: str(v)[:6000] for k, v in flatten(resolved).items()}
-        items = list(params.items())
-        for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
-            mlflow.log_params(dict(items[i : i + 100]))
-        mlflow.log_artifact(str(self.out / "config.yaml"))
-        self.mlflow = mlflow
-        self.run_id = run.info.run_id
-        log.info("MLflow run %s at %s", run.info.run_id, uri)
+        self.mlflow = MlflowRun(uri, self.cfg.logger, params, self.out / "config.yaml")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -94,7 +140,7 @@ class MetricsSink:
         self.jsonl.flush()
         if self.mlflow:
             finite = {k.replace("@", "_"): v for k, v in record.items() if k != "step" and math.isfinite(v)}
-            self.mlflow.log_metrics(finite, step=step)
+            self.mlflow.log_metrics(finite, step)
         if self.tensorboard:
             for key, value in record.items():
                 if key != "step" and math.isfinite(value):
@@ -158,13 +204,11 @@ class MetricsSink:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         plot = self.plot(summary.get("eval_accuracy_final")) if self.cfg.logger.plot else None
         if self.mlflow:
-            self.mlflow.log_metrics(
-                {f"summary/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
+            self.mlflow.finish(
+                {f"summary/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))},
+                [p for p in (plot, self.out / "summary.json") if p],
+                status,
             )
-            if plot:
-                self.mlflow.log_artifact(str(plot))
-            self.mlflow.log_artifact(str(self.out / "summary.json"))
-            self.mlflow.end_run(status=status)
         if self.tensorboard:
             self.tensorboard.close()
         self.jsonl.close()

@@ -23,6 +23,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from relax_core.metrics import experiment_id
+
 log = logging.getLogger("relax")
 
 SQLITE_LOCK_TIMEOUT_S = 120
@@ -51,12 +53,9 @@ class SweepCallback(Callback):
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=self.uri)
-        name = config.logger.experiment_name
-        experiment = client.get_experiment_by_name(name)
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
         overrides = list(config.hydra.overrides.task)
         run = client.create_run(
-            experiment_id,
+            experiment_id(client, config.logger.experiment_name),
             run_name=f"sweep {sweep_dir.name}",
             tags={"relax.sweep_dir": str(sweep_dir.resolve()), "relax.sweep": " ".join(overrides)},
         )
