@@ -186,19 +186,22 @@ class RunLoop:
         resume_from = resolve_resume(t.resume, cfg.output_dir)  # checkpoint/resume (relax_core/checkpoint.py)
         self.checkpoints = CheckpointManager(checkpoint_root(cfg.output_dir), t.save_every, t.keep_last)
         self.sink = MetricsSink(cfg, self.resolved)
-        self.mode.start()
-        self.health = HealthManager(
-            lambda: self.mode.roles.all(),
-            t,
-            cfg.cluster.max_global_restarts,
-            cfg.output_dir,
-            self.mode.replaced,
-        )
-        self.mode.health = self.health
-        self.mode.checkpoint_due = lambda s: self.checkpoints.due(s, t.total_steps) or STOP_REQUEST.is_set()
-        control_plane = self.start_control_plane()
         summary: dict[str, Any] = {"status": "failed"}
-        try:
+        control_plane = None
+        try:  # from here on, a failure still marks the MLflow run failed and tears the roles down
+            self.mode.start()
+            self.health = HealthManager(
+                lambda: self.mode.roles.all(),
+                t,
+                cfg.cluster.max_global_restarts,
+                cfg.output_dir,
+                self.mode.replaced,
+            )
+            self.mode.health = self.health
+            self.mode.checkpoint_due = lambda s: (
+                self.checkpoints.due(s, t.total_steps) or STOP_REQUEST.is_set()
+            )
+            control_plane = self.start_control_plane()
             step = 1
             if resume_from is not None:
                 driver = self.restore(resume_from)
@@ -227,7 +230,8 @@ class RunLoop:
                     # a dead Actor, in a step or in the final export: everything restarts from a checkpoint
                     step = self.restart_everything(str(why)) + 1
         finally:
-            self.health.stop()
+            if self.health is not None:
+                self.health.stop()
             if control_plane is not None:
                 control_plane.stop()
             self.mode.stop()

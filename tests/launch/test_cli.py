@@ -120,7 +120,8 @@ def test_bad_input_fails_before_ray_with_one_line(cli, case: str, needles: list[
 
 
 def test_more_logical_cpus_than_the_cluster_has_fails_with_one_error_naming_the_knobs(cli) -> None:
-    """Caught when the placement group is asked for, not after Ray's 120 s wait for it."""
+    """Caught when the placement group is asked for, not after Ray's 120 s wait for it; the run's MLflow
+    record, opened by then, ends FAILED rather than RUNNING forever."""
     result = cli["cpus_short"]
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
     assert errors == [
@@ -129,6 +130,11 @@ def test_more_logical_cpus_than_the_cluster_has_fails_with_one_error_naming_the_
     ], result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr
     assert result.returncode == 2
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{cli['_tmp'] / 'cpus_short' / 'run' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("relax").experiment_id])
+    assert run.info.status == "FAILED"
 
 
 def test_in_process_refuses_what_needs_several_processes_with_one_line(cli) -> None:
