@@ -7,11 +7,15 @@ import logging
 import math
 import os
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+
+from relax_core.errors import RelaxUserError
 
 log = logging.getLogger("relax")
 
@@ -40,6 +44,23 @@ def format_step_line(step: int, total: int, m: dict[str, float]) -> str:
         parts.append(f"stale {m['staleness/mean']:.1f}")
     parts += [f"{m['tokens_per_s']:.0f} tok/s", f"{m['step_time_s']:.2f}s"]
     return " | ".join(parts)
+
+
+def check_tracking_server(uri: str | None, timeout_s: float = 5.0) -> None:
+    """Fail at once when an http(s) ``logger.tracking_uri`` has no server behind it: MLflow's own client
+    retries a refused connection for minutes before it says so."""
+    if not uri or not uri.startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # a server answered (a proxy, an auth wall): MLflow reports whatever it has to say
+    except (urllib.error.URLError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise RelaxUserError(
+            f"logger.tracking_uri={uri!r}: no MLflow server answers ({reason}); start one "
+            "(mlflow server --backend-store-uri sqlite:///mlflow.db) or drop the override to log into the run dir"
+        ) from None
 
 
 def experiment_id(client, name: str) -> str:

@@ -24,7 +24,7 @@ from relax_core.checkpoint import (
 )
 from relax_core.data import PromptStream, dataset_paths, load_prompts
 from relax_core.health import GlobalRestartNeeded, HealthManager
-from relax_core.metrics import MetricsSink, format_step_line
+from relax_core.metrics import MetricsSink, check_tracking_server, format_step_line
 from relax_core.modes import build_mode
 from relax_core.modes.base import RunContext, resolve_threads
 from relax_core.multimodal import MediaPrompts
@@ -44,6 +44,8 @@ class RunLoop:
     def __init__(self, cfg, resolved: dict[str, Any]) -> None:
         """Loads the model folder and the datasets: user errors surface here, before Ray starts."""
         resolve_threads(cfg)
+        if cfg.logger.name == "mlflow":
+            check_tracking_server(cfg.logger.tracking_uri)
         self.cfg = cfg
         self.resolved = resolved
         model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)

@@ -23,7 +23,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from relax_core.metrics import experiment_id
+from relax_core.errors import RelaxUserError
+from relax_core.metrics import check_tracking_server, experiment_id
 
 log = logging.getLogger("relax")
 
@@ -47,6 +48,10 @@ class SweepCallback(Callback):
             return
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            check_tracking_server(config.logger.tracking_uri)
+        except RelaxUserError:
+            return  # no parent run: the first point's launch stops on this, with one error line
         self.uri = config.logger.tracking_uri or sweep_tracking_uri(sweep_dir)
         os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
         logging.getLogger("alembic").setLevel(logging.WARNING)

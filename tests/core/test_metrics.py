@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import mlflow
@@ -11,7 +15,8 @@ import pytest
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
-from relax_core.metrics import MetricsSink, flatten, format_step_line
+from relax_core.errors import RelaxUserError
+from relax_core.metrics import MetricsSink, check_tracking_server, flatten, format_step_line
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -130,3 +135,67 @@ def test_jsonl_logger_writes_no_mlflow_store(make_cfg, tmp_path: Path) -> None:
     assert not (tmp_path / "mlflow.db").exists()
     assert not (tmp_path / "reward_curve.png").exists()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_tracking_server_fails_at_once_naming_the_key() -> None:
+    with pytest.raises(RelaxUserError, match=r"logger.tracking_uri='http://127.0.0.1:\d+': no MLflow server"):
+        check_tracking_server(f"http://127.0.0.1:{free_port()}")
+    check_tracking_server(None)  # the run dir's SQLite store: nothing to reach
+    check_tracking_server("sqlite:///elsewhere/mlflow.db")
+
+
+def test_sink_logs_to_an_mlflow_server(make_cfg, tmp_path: Path) -> None:
+    """``logger.tracking_uri=http://...``: a real ``mlflow server``, artifacts through its proxy."""
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--artifacts-destination",
+            str(tmp_path / "server_artifacts"),
+            "--workers",
+            "1",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):  # the server imports and migrates its store first
+            try:
+                check_tracking_server(uri, timeout_s=1.0)
+                break
+            except RelaxUserError:
+                assert server.poll() is None, "mlflow server exited"
+                time.sleep(0.5)
+        cfg = make_cfg(f"logger.tracking_uri={uri}", "logger.run_name=served")
+        sink = MetricsSink(cfg, resolved_of(cfg))
+        for step in (1, 2):
+            sink.log(step, step_metrics(step))
+        sink.finish({"status": "finished", "steps": 2, "reward_gain": 0.1})
+        client = MlflowClient(tracking_uri=uri)
+        (run,) = client.search_runs([client.get_experiment_by_name("relax").experiment_id])
+        assert run.info.status == "FINISHED" and run.info.run_name == "served"
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
+        assert {"config.yaml", "summary.json", "reward_curve.png"} <= {
+            a.path for a in client.list_artifacts(run.info.run_id)
+        }
+        assert not (tmp_path / "mlflow.db").exists()  # nothing went to the run dir's store
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -46,6 +46,7 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Comple
         "defaults_tree": ["--info", "defaults-tree"],
         "help": ["--help"],
         "missing_model": ["model=qwen3_4b", "model.path=/nonexistent"],
+        "mlflow_unreachable": ["logger.tracking_uri=http://127.0.0.1:9"],  # port 9: nothing listens
         "cpus_short": ["trainer.num_cpus=3", "cluster.num_cpus=2"],
         "in_process_async": ["cluster=in_process", "mode=async"],
         **{f"data_{name}": ["data=jsonl", f"data.train_path={path}"] for name, path in data.items()},
@@ -107,6 +108,7 @@ def test_bad_override_fails_fast_naming_the_key(cli, case: str, needles: list[st
     ("case", "needles"),
     [
         ("missing_model", ["model.path='/nonexistent'"]),
+        ("mlflow_unreachable", ["logger.tracking_uri='http://127.0.0.1:9'", "no MLflow server answers"]),
         ("data_empty", ["empty.jsonl", "no rows"]),
         ("data_bad_json", ["bad_json.jsonl", "line 2", "invalid JSON"]),
         ("data_no_prompt", ["no_prompt.jsonl", "row 1", "prompt"]),
