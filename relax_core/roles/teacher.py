@@ -19,7 +19,6 @@ from types import SimpleNamespace
 import torch
 
 from relax_core.algorithms.masked import masked_mean
-from relax_core.backends.torch_backend import TorchBackend
 from relax_core.data import render_prompt
 from relax_core.databus import DataBus
 from relax_core.errors import RelaxUserError
@@ -28,7 +27,6 @@ from relax_core.samples import Sample, TrainBatch
 from relax_core.synthetic import SYNTHETIC_TASKS
 from relax_models.cache import build_once, cache_root
 from relax_models.loader import load_tokenizer
-from relax_models.tiny import build_tiny_qwen3
 
 log = logging.getLogger("relax")
 
@@ -122,6 +120,10 @@ def train_task_teacher(teacher_cfg, data_cfg, seed: int, folder: Path) -> dict:
     Loss: token-mean negative log-likelihood of ``label + <eos>`` after the rendered prompt — the same
     prompt text the student sees (``relax_core.data.render_prompt``). Returns accuracy and timing.
     """
+    # imported here: every launch imports this module, few train a teacher (the model code costs ~0.8 s)
+    from relax_core.backends.torch_backend import TorchBackend
+    from relax_models.tiny import build_tiny_qwen3
+
     start = time.perf_counter()
     if data_cfg.synthetic not in SYNTHETIC_TASKS:
         raise RelaxUserError(f"no default teacher for data.synthetic={data_cfg.synthetic!r}")
