@@ -66,6 +66,7 @@ def test_cluster_slurm_run_is_preempted_requeues_and_resumes(tmp_path: Path) -> 
     from relax_launch.experiment import run_experiment_on_ray
 
     run_dir = tmp_path / "run"
+    steps = 40
     cfg = compose(
         [
             *SLURM_RUN,
@@ -73,7 +74,9 @@ def test_cluster_slurm_run_is_preempted_requeues_and_resumes(tmp_path: Path) -> 
             "cluster.cpus_per_task=2",
             "cluster.time_min=30",
             "cluster.job_name=relax-requeue-test",
-            "trainer.total_steps=6",
+            # steps take 0.05 s on a fast host and the signal ~0.2 s to arrive (plus the 0.2 s poll): enough
+            # steps after step 2 that it always lands mid-run
+            f"trainer.total_steps={steps}",
             "trainer.save_every=100",  # no periodic checkpoint mid-run: the one resumed from is the signal's
         ],
         run_dir,
@@ -89,9 +92,9 @@ def test_cluster_slurm_run_is_preempted_requeues_and_resumes(tmp_path: Path) -> 
     assert _restarts(job.job_id) == 1
     resumed = Path(summary["resumed_from"])
     interrupted_at = int(resumed.name.split("_")[1])
-    assert 2 <= interrupted_at < 6  # saved at the end of the step that was running when the signal came
+    assert 2 <= interrupted_at < steps  # saved at the end of the step running when the signal came
     # every step exactly once across the two attempts, and the model was exported by the second one
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(0, 7))
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(0, steps + 1))
     assert (run_dir / "final_model" / "config.json").is_file()
     _assert_completed(job)
     _assert_nothing_left(job.job_id)
