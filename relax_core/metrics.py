@@ -63,6 +63,15 @@ def check_tracking_server(uri: str | None, timeout_s: float = 5.0) -> None:
         ) from None
 
 
+def mlflow_client(uri: str) -> Any:
+    """An ``MlflowClient`` on ``uri``, logging synchronously, without the schema migrations' log lines."""
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
 def experiment_id(client, name: str) -> str:
     """The id of MLflow experiment ``name`` in ``client``'s store, created when missing."""
     experiment = client.get_experiment_by_name(name)
@@ -83,12 +92,9 @@ class MlflowRun:
         self._opened = self._opening.submit(self._open, logger_cfg, params, config_path)
 
     def _open(self, logger_cfg, params: dict[str, str], config_path: Path) -> tuple[Any, str]:
-        os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
-        logging.getLogger("alembic").setLevel(logging.WARNING)
         from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri=self.uri)
+        client = mlflow_client(self.uri)
         parent = os.environ.get("RELAX_PARENT_RUN_ID")  # a sweep's point nests under the sweep's run
         run = client.create_run(
             experiment_id(client, logger_cfg.experiment_name),

@@ -24,7 +24,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from relax_core.errors import RelaxUserError
-from relax_core.metrics import check_tracking_server, experiment_id
+from relax_core.metrics import check_tracking_server, experiment_id, mlflow_client
 
 log = logging.getLogger("relax")
 
@@ -53,11 +53,7 @@ class SweepCallback(Callback):
         except RelaxUserError:
             return  # no parent run: the first point's launch stops on this, with one error line
         self.uri = config.logger.tracking_uri or sweep_tracking_uri(sweep_dir)
-        os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
-        logging.getLogger("alembic").setLevel(logging.WARNING)
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=self.uri)
+        client = mlflow_client(self.uri)
         overrides = list(config.hydra.overrides.task)
         run = client.create_run(
             experiment_id(client, config.logger.experiment_name),
@@ -73,8 +69,6 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.run_id is None:
             return
-        from mlflow.tracking import MlflowClient
-
-        MlflowClient(tracking_uri=self.uri).set_terminated(self.run_id, "FINISHED")
+        mlflow_client(self.uri).set_terminated(self.run_id, "FINISHED")
         for key in ("RELAX_PARENT_RUN_ID", "RELAX_SWEEP_TRACKING_URI"):
             os.environ.pop(key, None)
