@@ -73,9 +73,20 @@ def wait_for_step(run_dir: Path, step: int, recoveries: int = 0, timeout_s: floa
     )
 
 
-def actor_pid(name: str, namespace: str | None = None) -> int:
-    """PID of the live Ray actor ``name`` (a role replica such as ``rollout-0``), from inside that actor."""
+def actor_pid(name: str, namespace: str | None = None, timeout_s: float = 120.0) -> int:
+    """PID of the live Ray actor ``name`` (a role replica such as ``rollout-0``), from inside that actor;
+    waits until the run has started Ray and that actor (a lookup before ``ray.init`` would start a Ray of
+    its own)."""
     import ray
 
-    handle = ray.get_actor(name, namespace=namespace)
-    return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if ray.is_initialized():
+                handle = ray.get_actor(name, namespace=namespace)
+                return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        except ValueError:  # not created yet
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no live Ray actor {name!r} after {timeout_s:.0f}s")
+        time.sleep(0.05)

@@ -15,7 +15,7 @@ from resilience_helpers import TINY_RUN, TINY_RUN_IN_PROCESS, read_metrics
 
 pytestmark = pytest.mark.slow
 
-TOTAL = 5
+TOTAL = 8  # steps of ~0.05 s: after step 3 is seen, enough of them left that the kill lands mid-run
 
 
 def _command(run_dir: Path, mode: list[str], tiny_run: list[str] = TINY_RUN) -> list[str]:
