@@ -72,6 +72,14 @@ def mlflow_client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
+def run_tags(tags: dict[str, str]) -> dict[str, str]:
+    """``tags`` plus those MLflow's own ``start_run`` records (user, source script and type, git commit),
+    which a run created through a client does not get by itself."""
+    from mlflow.tracking.context.registry import resolve_tags
+
+    return resolve_tags(tags)
+
+
 def experiment_id(client, name: str) -> str:
     """The id of MLflow experiment ``name`` in ``client``'s store, created when missing."""
     experiment = client.get_experiment_by_name(name)
@@ -99,7 +107,7 @@ class MlflowRun:
         run = client.create_run(
             experiment_id(client, logger_cfg.experiment_name),
             run_name=logger_cfg.run_name,
-            tags={"mlflow.parentRunId": parent} if parent else None,
+            tags=run_tags({"mlflow.parentRunId": parent} if parent else {}),
         )
         run_id = run.info.run_id
         items = [Param(k, v) for k, v in params.items()]

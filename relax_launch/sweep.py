@@ -24,7 +24,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from relax_core.errors import RelaxUserError
-from relax_core.metrics import check_tracking_server, experiment_id, mlflow_client
+from relax_core.metrics import check_tracking_server, experiment_id, mlflow_client, run_tags
 
 log = logging.getLogger("relax")
 
@@ -58,7 +58,7 @@ class SweepCallback(Callback):
         run = client.create_run(
             experiment_id(client, config.logger.experiment_name),
             run_name=f"sweep {sweep_dir.name}",
-            tags={"relax.sweep_dir": str(sweep_dir.resolve()), "relax.sweep": " ".join(overrides)},
+            tags=run_tags({"relax.sweep_dir": str(sweep_dir.resolve()), "relax.sweep": " ".join(overrides)}),
         )
         self.run_id = run.info.run_id
         os.environ["RELAX_PARENT_RUN_ID"] = self.run_id

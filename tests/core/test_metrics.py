@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import math
 import socket
@@ -84,6 +85,10 @@ def test_sink_writes_jsonl_mlflow_and_plot(make_cfg, tmp_path: Path) -> None:
     experiment = client.get_experiment_by_name("relax")
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FINISHED" and run.info.run_name == "sink-test"
+    # the tags MLflow's UI shows in its User and Source columns
+    assert (
+        run.data.tags["mlflow.user"] == getpass.getuser() and run.data.tags["mlflow.source.type"] == "LOCAL"
+    )
     params = run.data.params
     assert params["algorithm.name"] == "grpo"
     assert params["rollout.batch_size"] == "4"

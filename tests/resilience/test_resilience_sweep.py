@@ -46,3 +46,4 @@ def test_local_sweep_nests_point_runs_under_one_parent(tmp_path: Path) -> None:
     assert sorted(r.data.params["seed"] for r in children) == ["1", "2"]
     assert client.get_run(parent_id).info.status == "FINISHED"
     assert all(r.info.status == "FINISHED" and "reward/mean" in r.data.metrics for r in children)
+    assert all(r.data.tags["mlflow.source.name"].endswith("relax_launch/__main__.py") for r in runs), runs
