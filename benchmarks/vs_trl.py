@@ -3,6 +3,7 @@
     python benchmarks/vs_trl.py                       # 60 steps, seed 1, Relax on Ray and in one process
     python benchmarks/vs_trl.py --steps 150 --seeds 0,1,2 --plot docs/img/vs_trl.png
     python benchmarks/vs_trl.py --steps 150 --seeds 0,1,2 --relax trainer.share_prompts=false  # the plain forward
+    python benchmarks/vs_trl.py --same-batch --seeds 0,1,2    # one step of each tool on one batch, compared
 
 TRL 1.16.0 goes into its own venv (``~/.cache/relax/trl-venv``, ``--trl-venv``; created once, ~1 min):
 it is a benchmark peer, never a Relax dependency. Its side runs this same file with ``--trl-worker``.
@@ -66,6 +67,11 @@ Relax's ``relax_core.algorithms``), at the settings above:
 * sampling: TRL's default ``top_k=0``, ``top_p=1``, temperature 1 with HF ``generate()``; Relax samples the
   same distribution (inverse CDF, one uniform per row) and stops at EOS.
 * dropout: none in either (TRL's ``disable_dropout`` defaults to False, the tiny Qwen3's attention_dropout is 0).
+
+``--same-batch`` checks this audit by running it: TRL takes one step (``max_steps=1``) and records the rows it
+generated, the gradients its optimizer gets and its parameter updates; Relax's ``Advantages`` and ``Actor``
+roles, configured by the launch's own overrides, take one step on the same rows. One JSON line per seed:
+reward, loss, entropy and grad norm of both, and the cosine and norm ratio of the gradients and of the updates.
 
 So no difference in the objective explains a learning gap at these settings; what differs is the random
 stream (prompt order, generation noise; the model init is shared), so compare over several seeds. Between the
@@ -197,14 +203,9 @@ MAX_SEED_LINES = 3
 SEED_STYLES = ["-", "--", ":", "-."]
 
 
-def run_relax(
-    tool: str, inputs: dict, steps: int, seed: int, out: Path, warmup: int, threads: int, overrides: list[str]
-) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "relax_launch",
-        f"cluster={RELAX_CLUSTERS[tool]}",
+def relax_overrides(inputs: dict, steps: int, seed: int, threads: int, extra: list[str]) -> list[str]:
+    """The Relax side of the shared settings (see the module docstring), as command-line overrides."""
+    return [
         f"seed={seed}",
         f"model.path={inputs['model']}",
         f"data.train_path={inputs['train']}",
@@ -227,9 +228,15 @@ def run_relax(
         f"rollout.num_threads={threads}",
         "logger=jsonl",
         "logger.plot=false",
-        f"hydra.run.dir={out}",
-        *overrides,
+        *extra,
     ]
+
+
+def run_relax(
+    tool: str, inputs: dict, steps: int, seed: int, out: Path, warmup: int, threads: int, overrides: list[str]
+) -> dict:
+    cmd = [sys.executable, "-m", "relax_launch", f"cluster={RELAX_CLUSTERS[tool]}", f"hydra.run.dir={out}"]
+    cmd += relax_overrides(inputs, steps, seed, threads, overrides)
     code, wall, peak, peak_pss = run_measured(cmd, out.with_suffix(".log"), ENV)
     if code != 0:
         return {"tool": tool, "seed": seed, "error": out.with_suffix(".log").read_text()[-3000:]}
@@ -284,14 +291,19 @@ def ensure_trl_venv(venv: Path) -> Path:
     return python
 
 
-def run_trl(python: Path, inputs: dict, steps: int, seed: int, out: Path, warmup: int, threads: int) -> dict:
+def start_trl_worker(python: Path, spec: dict, out: Path) -> tuple[int, float, float, float]:
+    """Run :func:`trl_worker` in the TRL venv on ``spec``, in folder ``out``; as :func:`run_measured`."""
     out.mkdir(parents=True, exist_ok=True)
-    spec = inputs | {"steps": steps, "seed": seed, "out": str(out), "threads": threads}
-    (out / "spec.json").write_text(json.dumps(spec))
+    (out / "spec.json").write_text(json.dumps(spec | {"out": str(out)}))
     # PYTHONPATH: the worker imports relax_rewards (pure Python) for the very same reward function
     env = ENV | {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     cmd = [str(python), str(Path(__file__).resolve()), "--trl-worker", str(out / "spec.json")]
-    code, wall, peak, peak_pss = run_measured(cmd, out / "run.log", env)
+    return run_measured(cmd, out / "run.log", env)
+
+
+def run_trl(python: Path, inputs: dict, steps: int, seed: int, out: Path, warmup: int, threads: int) -> dict:
+    spec = inputs | {"steps": steps, "seed": seed, "threads": threads}
+    code, wall, peak, peak_pss = start_trl_worker(python, spec, out)
     if code != 0:
         return {"tool": "trl", "seed": seed, "error": (out / "run.log").read_text()[-3000:]}
     result = json.loads((out / "result.json").read_text())
@@ -314,7 +326,11 @@ def run_trl(python: Path, inputs: dict, steps: int, seed: int, out: Path, warmup
 
 
 def trl_worker(spec_path: str) -> None:
-    """Inside the TRL venv: GRPOTrainer on the shared inputs, then greedy eval; writes result.json."""
+    """Inside the TRL venv: GRPOTrainer on the shared inputs, then greedy eval; writes result.json.
+
+    With ``same_batch`` in the spec: one step, no eval; writes ``same_batch.pt`` with the step's rows
+    (prompt and completion ids, labels), its logged metrics, gradients (as the optimizer gets them) and
+    parameter updates."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -330,7 +346,10 @@ def trl_worker(spec_path: str) -> None:
     def rows(path: str) -> list[dict]:
         return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
 
+    record: dict = {"labels": [], "logs": {}}
+
     def reward(completions: list[str], label: list[str], **_) -> list[float]:
+        record["labels"] += label
         return [digits_reward(c, lab)["score"] for c, lab in zip(completions, label)]
 
     class StepClock(TrainerCallback):
@@ -342,9 +361,14 @@ def trl_worker(spec_path: str) -> None:
             self.step_s.append(now - self.last)
             self.last = now
 
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if spec.get("same_batch"):
+                record["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
                 self.rewards.append(float(logs["reward"]))
+                record["logs"] = {k: float(logs[k]) for k in ("reward", "loss", "entropy", "grad_norm")}
 
     config = GRPOConfig(
         output_dir=spec["out"],
@@ -389,6 +413,9 @@ def trl_worker(spec_path: str) -> None:
         return out
 
     trainer._generate_and_score_completions = timed_generate_and_score
+    if spec.get("same_batch"):
+        same_batch_step(trainer, tokenizer, record, Path(spec["out"]) / "same_batch.pt")
+        return
     clock.last = time.perf_counter()
     trainer.train()
     model = trainer.model.eval()
@@ -408,6 +435,87 @@ def trl_worker(spec_path: str) -> None:
         "eval_accuracy": sum(s["acc"] for s in scores) / len(scores),
     }
     (Path(spec["out"]) / "result.json").write_text(json.dumps(result))
+
+
+def same_batch_step(trainer, tokenizer, record: dict, path: Path) -> None:
+    """TRL's one training step (``max_steps`` is 1), recording the rows it generates and what it does with
+    them: completions cut after their first EOS, as TRL's completion mask does."""
+    import torch
+
+    model = trainer.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    generate = model.generate
+
+    def recording_generate(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        prompts, mask = kwargs["input_ids"], kwargs["attention_mask"].bool()
+        eos = tokenizer.eos_token_id
+        record["prompt_ids"] = [row[m].tolist() for row, m in zip(prompts, mask)]
+        completions = [row.tolist() for row in out[:, prompts.shape[1] :]]
+        record["completion_ids"] = [c[: c.index(eos) + 1] if eos in c else c for c in completions]
+        return out
+
+    model.generate = recording_generate
+    trainer.train()
+    record["updates"] = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    torch.save(record, path)
+
+
+def relax_same_batch(inputs: dict, record: dict, seed: int, threads: int, extra: list[str]) -> dict:
+    """Relax's Advantages and Actor roles, configured as the benchmark's launch, take one step on the rows
+    TRL generated; compared with TRL's step on them: gradient and update directions and sizes."""
+    import torch
+    from hydra import compose, initialize_config_module
+
+    import relax_launch.cli  # noqa: F401  (registers the structured-config schema with Hydra)
+    from relax_core.roles.actor import Actor
+    from relax_core.roles.advantages import Advantages
+    from relax_core.samples import Sample, TrainBatch
+    from relax_models.loader import load_tokenizer
+    from relax_rewards.digits import digits_reward
+
+    with initialize_config_module("relax_launch.conf", version_base="1.3"):
+        cfg = compose("config", overrides=relax_overrides(inputs, 1, seed, threads, extra))
+    tokenizer = load_tokenizer(inputs["model"])
+    samples = []
+    rows = zip(record["prompt_ids"], record["completion_ids"], record["labels"], strict=True)
+    for i, (prompt, completion, label) in enumerate(rows):  # TRL's rows: each prompt's samples in a run
+        text = tokenizer.decode(completion, skip_special_tokens=True)
+        logprobs, mask = [0.0] * len(completion), [1] * len(completion)  # on-policy: logprobs unused
+        score = digits_reward(text, label)["score"]
+        samples.append(
+            Sample(i // SAMPLES, i % SAMPLES, prompt, completion, logprobs, mask, text, label, reward=score)
+        )
+    batch = TrainBatch.from_samples(samples, tokenizer.pad_token_id)
+    batch.extras["advantages"] = Advantages(cfg).compute(batch)
+    actor = Actor(cfg, inputs["model"])
+    before = {n: p.detach().clone() for n, p in actor.backend.model.named_parameters()}
+    metrics = actor.train(batch)
+    params = dict(actor.backend.model.named_parameters())
+
+    def compare(relax: dict, trl: dict) -> tuple[float, float]:
+        a = torch.cat([relax[n].flatten() for n in sorted(trl)]).double()
+        b = torch.cat([trl[n].flatten() for n in sorted(trl)]).double()
+        return round(float(torch.nn.functional.cosine_similarity(a, b, dim=0)), 6), round(
+            float(a.norm() / b.norm()), 5
+        )
+
+    grad_cos, grad_ratio = compare({n: p.grad for n, p in params.items()}, record["grads"])
+    update_cos, update_ratio = compare(
+        {n: p.detach() - before[n] for n, p in params.items()}, record["updates"]
+    )
+    trl = record["logs"]
+    return {
+        "same_batch": seed,
+        "reward": [round(float(batch.rewards.mean()), 6), round(trl["reward"], 6)],
+        "loss": [round(metrics["loss"], 6), round(trl["loss"], 6)],
+        "entropy": [round(metrics["entropy"], 5), round(trl["entropy"], 5)],
+        "grad_norm": [round(metrics["grad_norm"], 5), round(trl["grad_norm"], 5)],
+        "grad_cosine": grad_cos,
+        "grad_norm_ratio": grad_ratio,
+        "update_cosine": update_cos,
+        "update_norm_ratio": update_ratio,
+    }
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -529,14 +637,31 @@ def main() -> None:
         default=[],
         help="extra overrides of the Relax run, e.g. trainer.share_prompts=false",
     )
+    parser.add_argument(
+        "--same-batch",
+        action="store_true",
+        help="instead: one step of each tool on the same generated batch, compared (checks the objective audit)",
+    )
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         trl_worker(args.trl_worker)
         return
     tools = args.tools.split(",")
-    python = ensure_trl_venv(args.trl_venv) if "trl" in tools else None
+    python = ensure_trl_venv(args.trl_venv) if "trl" in tools or args.same_batch else None
     root = args.out or Path(tempfile.mkdtemp(prefix="relax-vs-trl-"))
+    if args.same_batch:
+        import torch
+
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            inputs = build_inputs(root / f"seed{seed}", seed)
+            out = root / f"seed{seed}" / "same_batch"
+            spec = inputs | {"steps": 1, "seed": seed, "threads": args.threads, "same_batch": True}
+            if start_trl_worker(python, spec, out)[0] != 0:
+                raise SystemExit((out / "run.log").read_text()[-3000:])
+            record = torch.load(out / "same_batch.pt", weights_only=False)
+            print(json.dumps(relax_same_batch(inputs, record, seed, args.threads, args.relax)), flush=True)
+        return
     results = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         inputs = build_inputs(root / f"seed{seed}", seed)
