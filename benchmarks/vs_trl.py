@@ -479,7 +479,7 @@ def relax_same_batch(inputs: dict, record: dict, seed: int, threads: int, extra:
     tokenizer = load_tokenizer(inputs["model"])
     samples = []
     rows = zip(record["prompt_ids"], record["completion_ids"], record["labels"], strict=True)
-    for i, (prompt, completion, label) in enumerate(rows):  # TRL's rows: each prompt's samples in a run
+    for i, (prompt, completion, label) in enumerate(rows):  # TRL's order: a prompt's samples in a run
         text = tokenizer.decode(completion, skip_special_tokens=True)
         logprobs, mask = [0.0] * len(completion), [1] * len(completion)  # on-policy: logprobs unused
         score = digits_reward(text, label)["score"]
@@ -493,29 +493,37 @@ def relax_same_batch(inputs: dict, record: dict, seed: int, threads: int, extra:
     metrics = actor.train(batch)
     params = dict(actor.backend.model.named_parameters())
 
-    def compare(relax: dict, trl: dict) -> tuple[float, float]:
+    def compare(name: str, relax: dict, trl: dict) -> dict[str, float]:
+        """Cosine and norm ratio (Relax / TRL) of two per-parameter tensor sets, as flat vectors."""
         a = torch.cat([relax[n].flatten() for n in sorted(trl)]).double()
         b = torch.cat([trl[n].flatten() for n in sorted(trl)]).double()
-        return round(float(torch.nn.functional.cosine_similarity(a, b, dim=0)), 6), round(
-            float(a.norm() / b.norm()), 5
-        )
+        cosine = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+        return {
+            f"{name}_cosine": round(cosine, 6),
+            f"{name}_norm_ratio": round(float(a.norm() / b.norm()), 5),
+        }
 
-    grad_cos, grad_ratio = compare({n: p.grad for n, p in params.items()}, record["grads"])
-    update_cos, update_ratio = compare(
-        {n: p.detach() - before[n] for n, p in params.items()}, record["updates"]
-    )
     trl = record["logs"]
-    return {
-        "same_batch": seed,
-        "reward": [round(float(batch.rewards.mean()), 6), round(trl["reward"], 6)],
-        "loss": [round(metrics["loss"], 6), round(trl["loss"], 6)],
-        "entropy": [round(metrics["entropy"], 5), round(trl["entropy"], 5)],
-        "grad_norm": [round(metrics["grad_norm"], 5), round(trl["grad_norm"], 5)],
-        "grad_cosine": grad_cos,
-        "grad_norm_ratio": grad_ratio,
-        "update_cosine": update_cos,
-        "update_norm_ratio": update_ratio,
-    }
+    both = {"reward": float(batch.rewards.mean())} | {k: metrics[k] for k in ("loss", "entropy", "grad_norm")}
+    return (
+        {"same_batch": seed}
+        | {k: [round(v, 6), round(trl[k], 6)] for k, v in both.items()}
+        | compare("grad", {n: p.grad for n, p in params.items()}, record["grads"])
+        | compare("update", {n: p.detach() - before[n] for n, p in params.items()}, record["updates"])
+    )
+
+
+def same_batch(python: Path, folder: Path, seed: int, threads: int, extra: list[str]) -> dict:
+    """``--same-batch`` for one seed: TRL's recorded step, then Relax's on its rows, compared."""
+    import torch
+
+    inputs = build_inputs(folder, seed)
+    out = folder / "same_batch"
+    spec = inputs | {"steps": 1, "seed": seed, "threads": threads, "same_batch": True}
+    if start_trl_worker(python, spec, out)[0] != 0:
+        raise SystemExit((out / "run.log").read_text()[-3000:])
+    record = torch.load(out / "same_batch.pt", weights_only=False)
+    return relax_same_batch(inputs, record, seed, threads, extra)
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -651,16 +659,11 @@ def main() -> None:
     python = ensure_trl_venv(args.trl_venv) if "trl" in tools or args.same_batch else None
     root = args.out or Path(tempfile.mkdtemp(prefix="relax-vs-trl-"))
     if args.same_batch:
-        import torch
-
         for seed in [int(s) for s in args.seeds.split(",")]:
-            inputs = build_inputs(root / f"seed{seed}", seed)
-            out = root / f"seed{seed}" / "same_batch"
-            spec = inputs | {"steps": 1, "seed": seed, "threads": args.threads, "same_batch": True}
-            if start_trl_worker(python, spec, out)[0] != 0:
-                raise SystemExit((out / "run.log").read_text()[-3000:])
-            record = torch.load(out / "same_batch.pt", weights_only=False)
-            print(json.dumps(relax_same_batch(inputs, record, seed, args.threads, args.relax)), flush=True)
+            print(
+                json.dumps(same_batch(python, root / f"seed{seed}", seed, args.threads, args.relax)),
+                flush=True,
+            )
         return
     results = []
     for seed in [int(s) for s in args.seeds.split(",")]:
