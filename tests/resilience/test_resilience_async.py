@@ -18,6 +18,8 @@ from relax_launch.run import run_experiment
 pytestmark = pytest.mark.slow
 
 STEP_SAMPLES = 4 * 4  # TINY_RUN: 4 prompts x 4 samples
+# steps after the last kill's trigger, so that on a fast host (async steps of ~0.1 s) it lands mid-run
+SHORT_RUN = 12
 # (after this step is logged, kill this process): a rollout engine, the Reference, ActorFwd, the advantage
 # estimator and the data bus are replaced in place; the Actor's death restarts everything from a checkpoint
 KILLS = [
@@ -113,7 +115,7 @@ def test_async_run_survives_a_sigkill_of_every_role(tmp_path: Path, caplog: pyte
 def test_async_run_survives_a_sigkill_of_its_critic_or_teacher(
     tmp_path: Path, algorithm: list[str], victim: str, restart_counter: str
 ) -> None:
-    run_dir, total = tmp_path / "run", 8
+    run_dir, total = tmp_path / "run", SHORT_RUN
     overrides = [*TINY_RUN, "mode=async", "mode.max_staleness=1", f"trainer.total_steps={total}"]
     overrides += [*algorithm, "trainer.save_every=2", "trainer.heartbeat_interval_s=1"]
     if "algorithm=opd" in algorithm:
@@ -130,7 +132,7 @@ def test_async_run_survives_a_sigkill_of_each_transferqueue_actor(
     """TransferQueue's controller, then its storage unit: each time the roles' calls stop waiting on the dead
     actor, the driver starts a fresh TransferQueue and the steps in flight are regenerated."""
     caplog.set_level(logging.WARNING, logger="relax")
-    run_dir, total = tmp_path / "run", 8
+    run_dir, total = tmp_path / "run", SHORT_RUN
     overrides = [o for o in TINY_RUN if not o.startswith("cluster.num_cpus=")]
     overrides += ["cluster.num_cpus=8", "mode=async", "mode.max_staleness=1", "mode.databus=transferqueue"]
     cfg = compose([*overrides, f"trainer.total_steps={total}"], run_dir)
