@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -58,18 +59,26 @@ def recovered(row: dict) -> float:
     return row.get("health/step_retries", 0) + row.get("health/global_restarts", 0)
 
 
+def wait_for_row(run_dir: Path, accept: Callable[[dict], bool], what: str, timeout_s: float = 600.0) -> dict:
+    """The first metrics row ``accept`` takes, once it is logged."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        row = next((r for r in read_metrics(run_dir) if accept(r)), None)
+        if row is not None:
+            return row
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not reached in {run_dir} after {timeout_s:.0f}s")
+
+
 def wait_for_step(run_dir: Path, step: int, recoveries: int = 0, timeout_s: float = 600.0) -> None:
     """Until step ``step`` is logged, by a row that counts at least ``recoveries`` recoveries (step retries
     in place plus restarts from a checkpoint): a fault injected after an earlier one then meets a run that
     has handled it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        rows = read_metrics(run_dir)
-        if any(r.get("step", -1) >= step and recovered(r) >= recoveries for r in rows):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(
-        f"step {step} with {recoveries} recoveries not reached in {run_dir} after {timeout_s:.0f}s"
+    wait_for_row(
+        run_dir,
+        lambda r: r.get("step", -1) >= step and recovered(r) >= recoveries,
+        f"step {step} with {recoveries} recoveries",
+        timeout_s,
     )
 
 
