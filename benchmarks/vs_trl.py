@@ -349,7 +349,8 @@ def trl_worker(spec_path: str) -> None:
     record: dict = {"labels": [], "logs": {}}
 
     def reward(completions: list[str], label: list[str], **_) -> list[float]:
-        record["labels"] += label
+        if spec.get("same_batch"):
+            record["labels"] += label
         return [digits_reward(c, lab)["score"] for c, lab in zip(completions, label)]
 
     class StepClock(TrainerCallback):

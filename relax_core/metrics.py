@@ -72,18 +72,15 @@ def mlflow_client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
-def run_tags(tags: dict[str, str]) -> dict[str, str]:
-    """``tags`` plus those MLflow's own ``start_run`` records (user, source script and type, git commit),
+def create_run(client, experiment_name: str, run_name: str | None, tags: dict[str, str]) -> str:
+    """A new run in MLflow experiment ``experiment_name`` (created when missing); returns its id. Its tags
+    are ``tags`` plus those MLflow's own ``start_run`` records (user, source script and type, git commit),
     which a run created through a client does not get by itself."""
     from mlflow.tracking.context.registry import resolve_tags
 
-    return resolve_tags(tags)
-
-
-def experiment_id(client, name: str) -> str:
-    """The id of MLflow experiment ``name`` in ``client``'s store, created when missing."""
-    experiment = client.get_experiment_by_name(name)
-    return experiment.experiment_id if experiment else client.create_experiment(name)
+    experiment = client.get_experiment_by_name(experiment_name)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(experiment_name)
+    return client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(tags)).info.run_id
 
 
 class MlflowRun:
@@ -104,12 +101,8 @@ class MlflowRun:
 
         client = mlflow_client(self.uri)
         parent = os.environ.get("RELAX_PARENT_RUN_ID")  # a sweep's point nests under the sweep's run
-        run = client.create_run(
-            experiment_id(client, logger_cfg.experiment_name),
-            run_name=logger_cfg.run_name,
-            tags=run_tags({"mlflow.parentRunId": parent} if parent else {}),
-        )
-        run_id = run.info.run_id
+        tags = {"mlflow.parentRunId": parent} if parent else {}
+        run_id = create_run(client, logger_cfg.experiment_name, logger_cfg.run_name, tags)
         items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
             client.log_batch(run_id, params=items[i : i + 100])

@@ -24,7 +24,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from relax_core.errors import RelaxUserError
-from relax_core.metrics import check_tracking_server, experiment_id, mlflow_client, run_tags
+from relax_core.metrics import check_tracking_server, create_run, mlflow_client
 
 log = logging.getLogger("relax")
 
@@ -55,12 +55,8 @@ class SweepCallback(Callback):
         self.uri = config.logger.tracking_uri or sweep_tracking_uri(sweep_dir)
         client = mlflow_client(self.uri)
         overrides = list(config.hydra.overrides.task)
-        run = client.create_run(
-            experiment_id(client, config.logger.experiment_name),
-            run_name=f"sweep {sweep_dir.name}",
-            tags=run_tags({"relax.sweep_dir": str(sweep_dir.resolve()), "relax.sweep": " ".join(overrides)}),
-        )
-        self.run_id = run.info.run_id
+        tags = {"relax.sweep_dir": str(sweep_dir.resolve()), "relax.sweep": " ".join(overrides)}
+        self.run_id = create_run(client, config.logger.experiment_name, f"sweep {sweep_dir.name}", tags)
         os.environ["RELAX_PARENT_RUN_ID"] = self.run_id
         os.environ["RELAX_SWEEP_TRACKING_URI"] = self.uri
         (sweep_dir / "mlflow_parent_run_id").write_text(self.run_id + "\n")
