@@ -74,6 +74,8 @@ def create_app(engine: Any, model_path: str):
     app = FastAPI(title="Relax vLLM engine server")
     state = {"weight_version": "0"}
     in_flight: dict[str, set[str]] = {}  # rid -> vLLM request ids
+    # vLLM ids an abort named: one that came while vLLM was still admitting the request found nothing to abort
+    aborted: set[str] = set()
 
     async def new_weights(version: Any, flush: bool) -> None:
         if flush:
@@ -128,7 +130,10 @@ def create_app(engine: Any, model_path: str):
             async for out in engine.generate({"prompt_token_ids": body.input_ids}, params, request_id):
                 # with n > 1 an output may carry only the samples that progressed
                 completions.update((c.index, c) for c in out.outputs)
+                if request_id in aborted and not out.finished:
+                    await engine.abort(request_id)  # vLLM knows it now; its final output ends the loop
         finally:
+            aborted.discard(request_id)
             in_flight[rid].discard(request_id)
             if not in_flight[rid]:
                 del in_flight[rid]
@@ -157,6 +162,7 @@ def create_app(engine: Any, model_path: str):
     async def abort_request(body: AbortBody) -> dict[str, bool]:
         rids = list(in_flight) if body.abort_all else [body.rid]
         ids = [i for rid in rids for i in in_flight.get(rid, ())]
+        aborted.update(ids)
         if ids:
             await engine.abort(ids)
         return {"success": True}

@@ -158,27 +158,45 @@ def test_pause_abort_by_rid_and_resume(engine, tokenizer) -> None:
     assert all(r.finish_reason in ("stop", "length") and r.output_ids for r in out[2:])
 
 
-@needs_vllm
-def test_abort_all_returns_partial_results(engine, tokenizer) -> None:
-    """Abort during decoding: rows come back 'abort' with the tokens generated so far and their log-probs."""
-    reqs = requests(tokenizer)
+def _abort_all_while_generating(engine, reqs, sampling: SamplingParams, paused: bool) -> list:
+    """Generate in a thread; once the server holds every request, pause, abort them all, resume."""
     out: list = []
-    sampling = SamplingParams(max_new_tokens=200, n=8)
+    if paused:
+        engine.pause()
     worker = threading.Thread(target=lambda: out.extend(engine.generate(reqs, sampling)))
     worker.start()
-    # rows are sent one request each: on a loaded machine the first can finish before the last is admitted,
-    # so the abort comes as soon as any row is decoding
     deadline = time.monotonic() + 60
-    while _in_flight(engine) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    while _in_flight(engine) < len(reqs) and worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.005)
     engine.pause()  # keep in-flight rows where they are, so the abort finds them mid-decode
     engine.abort()
     engine.resume()
     worker.join(timeout=120)
-    assert len(out) == len(reqs) * 8
-    aborted = [r for r in out if r.finish_reason == "abort"]
-    assert aborted and all(len(r.logprobs) == len(r.output_ids) < 200 for r in aborted)
-    assert all(r.finish_reason in ("abort", "stop") for r in out)  # none ran to its budget
+    assert len(out) == len(reqs) * sampling.n
+    assert all(len(r.logprobs) == len(r.output_ids) <= sampling.max_new_tokens for r in out)
+    return out
+
+
+@needs_vllm
+def test_abort_all_reaches_every_request_the_server_holds(engine, tokenizer) -> None:
+    """Requests that just arrived (vLLM may still be admitting them) are aborted too: none runs after resume."""
+    out = _abort_all_while_generating(engine, requests(tokenizer), SamplingParams(200, n=8), paused=True)
+    assert {r.finish_reason for r in out} == {"abort"}
+
+
+@needs_vllm
+def test_abort_all_returns_partial_results(engine, tokenizer) -> None:
+    """Abort during decoding: rows come back 'abort' with the tokens generated so far and their log-probs.
+
+    vLLM's engine core decodes on while the server answers HTTP, so on a starved machine every row can end
+    before the abort lands: such an attempt proves nothing and is repeated.
+    """
+    for _ in range(5):
+        out = _abort_all_while_generating(engine, requests(tokenizer), SamplingParams(200, n=8), paused=False)
+        partial = [r for r in out if r.finish_reason == "abort" and r.output_ids]
+        if partial:
+            break
+    assert partial and all(len(r.output_ids) < 200 for r in partial)
 
 
 @needs_vllm
