@@ -25,6 +25,8 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: list[int] = field(default_factory=list)
     stop_strings: list[str] = field(default_factory=list)
+    # EOS does not end a row: fixed-length generation (benchmarks, tests), as SGLang and vLLM offer
+    ignore_eos: bool = False
     # samples per request sharing one prefill
     n: int = 1
 

@@ -106,6 +106,7 @@ class HttpEngine(RolloutEngine):
                 "top_k": sampling.top_k,
                 "stop": sampling.stop_strings or None,
                 "stop_token_ids": sampling.stop_token_ids or None,
+                "ignore_eos": sampling.ignore_eos,
                 "n": max(sampling.n, 1),
             },
             "return_logprob": True,

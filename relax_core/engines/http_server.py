@@ -48,6 +48,7 @@ class SamplingBody(BaseModel):
     top_k: int = -1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     n: int = Field(1, ge=1)
 
 
@@ -334,6 +335,7 @@ def create_app(
             top_k=sp.top_k,
             stop_token_ids=list(sp.stop_token_ids or []),
             stop_strings=stop,
+            ignore_eos=sp.ignore_eos,
             n=sp.n,
         )
         rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)

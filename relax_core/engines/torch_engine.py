@@ -464,7 +464,7 @@ class TorchEngine(RolloutEngine):
         return cos[0], sin[0] * sign
 
     def _stop_ids(self, sampling: SamplingParams) -> list[int]:
-        return self.eos_token_ids + list(sampling.stop_token_ids)
+        return ([] if sampling.ignore_eos else self.eos_token_ids) + list(sampling.stop_token_ids)
 
     def _admit(self) -> None:
         """Prefill as many waiting jobs as fit in free slots, in one batched forward."""

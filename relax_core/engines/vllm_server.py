@@ -118,6 +118,7 @@ def create_app(engine: Any, model_path: str):
             max_tokens=s.max_new_tokens,
             stop=s.stop,
             stop_token_ids=s.stop_token_ids,
+            ignore_eos=s.ignore_eos,
             logprobs=0,
             output_kind=RequestOutputKind.CUMULATIVE,
         )

@@ -69,18 +69,15 @@ def test_generate_speaks_sglang_native_api(server, tokenizer) -> None:
 def test_abort_request_by_rid_over_http(server, tokenizer) -> None:
     url, engine = server
     ids = tokenizer("sort 5:").input_ids
-    eos, engine.eos_token_ids = engine.eos_token_ids, []  # every sample runs to its budget unless aborted
-    try:
-        with ThreadPoolExecutor(2) as pool, httpx.Client(base_url=url, timeout=120) as http:
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 150}}
-            keep = pool.submit(http.post, "/generate", json=body | {"rid": "keep"})
-            stop = pool.submit(http.post, "/generate", json=body | {"rid": "stop"})
-            while engine.num_running() < 2:
-                time.sleep(0.005)
-            assert http.post("/abort_request", json={"rid": "stop"}).json()["success"]
-            kept, stopped = keep.result().json()["meta_info"], stop.result().json()["meta_info"]
-    finally:
-        engine.eos_token_ids = eos
+    with ThreadPoolExecutor(2) as pool, httpx.Client(base_url=url, timeout=120) as http:
+        # every sample runs to its budget unless aborted
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 150, "ignore_eos": True}}
+        keep = pool.submit(http.post, "/generate", json=body | {"rid": "keep"})
+        stop = pool.submit(http.post, "/generate", json=body | {"rid": "stop"})
+        while engine.num_running() < 2:
+            time.sleep(0.005)
+        assert http.post("/abort_request", json={"rid": "stop"}).json()["success"]
+        kept, stopped = keep.result().json()["meta_info"], stop.result().json()["meta_info"]
     assert (kept["id"], kept["finish_reason"]["type"], kept["completion_tokens"]) == ("keep", "length", 150)
     assert (stopped["id"], stopped["finish_reason"]["type"]) == ("stop", "abort")
     assert stopped["completion_tokens"] < 150
@@ -244,10 +241,9 @@ def test_server_refuses_native_kernels_in_a_dtype_they_do_not_run(tiny_model_dir
 def test_concurrent_requests_share_decode_steps(server, tokenizer) -> None:
     """Many HTTP requests at once are batched together by the server's engine loop."""
     url, engine = server
-    engine.eos_token_ids = []
     client = HttpEngine(url)
     requests = [GenerationRequest(tokenizer(f"sort {i}:").input_ids, str(i)) for i in range(12)]
-    results = client.generate(requests, SamplingParams(max_new_tokens=16, n=2))
+    results = client.generate(requests, SamplingParams(max_new_tokens=16, n=2, ignore_eos=True))
     assert len(results) == 24 and all(len(r.output_ids) == 16 for r in results)
     assert engine.peak_running > 2
     client.shutdown()

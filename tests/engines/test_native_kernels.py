@@ -127,10 +127,9 @@ def test_decode_attention_matches_the_eager_math(
 def test_native_engine_greedy_equals_full_forward(tiny_model_dir: Path, tokenizer, model) -> None:
     """Continuous batching (2 slots for 8 samples) on the kernels: every output is the plain forward's."""
     engine = make_engine(tiny_model_dir, tokenizer, max_running=2, native_kernels=True)
-    engine.eos_token_ids = []
     requests = reqs(tokenizer)
     jobs = [
-        engine.submit(r, SamplingParams(max_new_tokens=3 + 4 * i, temperature=0.0, n=2))
+        engine.submit(r, SamplingParams(max_new_tokens=3 + 4 * i, temperature=0.0, n=2, ignore_eos=True))
         for i, r in enumerate(requests)
     ]
     engine.run_until(jobs)

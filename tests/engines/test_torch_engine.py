@@ -3,6 +3,7 @@ the training backend's log-probs; the static multimodal path against a full-forw
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -42,10 +43,9 @@ def test_engine_logprobs_match_training_recomputation(tiny_model_dir: Path, toke
 def test_greedy_equals_full_forward_with_continuous_batching(tiny_model_dir: Path, tokenizer, model) -> None:
     """With 4 slots and 8 samples waiting, finished rows free slots for queued ones; outputs stay exact."""
     engine = make_engine(tiny_model_dir, tokenizer, max_running=4)
-    engine.eos_token_ids = []  # run every row to its own budget
     requests = reqs(tokenizer)
-    jobs = [
-        engine.submit(r, SamplingParams(max_new_tokens=3 + 4 * i, temperature=0.0, n=2))
+    jobs = [  # every row runs to its own budget
+        engine.submit(r, SamplingParams(max_new_tokens=3 + 4 * i, temperature=0.0, n=2, ignore_eos=True))
         for i, r in enumerate(requests)
     ]
     engine.run_until(jobs)
@@ -59,14 +59,14 @@ def test_greedy_equals_full_forward_with_continuous_batching(tiny_model_dir: Pat
 
 def test_stop_token_and_stop_string(tiny_model_dir: Path, tokenizer, model) -> None:
     engine = make_engine(tiny_model_dir, tokenizer)
-    engine.eos_token_ids = []
     request = reqs(tokenizer)[0]
     free = greedy_loop(model, request.input_ids, 8)
-    [by_id] = engine.generate([request], SamplingParams(8, temperature=0.0, stop_token_ids=[free[2]]))
+    greedy = SamplingParams(8, temperature=0.0, ignore_eos=True)
+    [by_id] = engine.generate([request], dataclasses.replace(greedy, stop_token_ids=[free[2]]))
     cut = free.index(free[2]) + 1
     assert by_id.output_ids == free[:cut] and by_id.finish_reason == "stop"
     text = tokenizer.decode(free[3:5])
-    [by_text] = engine.generate([request], SamplingParams(8, temperature=0.0, stop_strings=[text]))
+    [by_text] = engine.generate([request], dataclasses.replace(greedy, stop_strings=[text]))
     assert by_text.finish_reason == "stop" and text in tokenizer.decode(by_text.output_ids)
     assert len(by_text.output_ids) <= 5
 
@@ -77,13 +77,12 @@ def test_rows_of_different_sampling_configs_keep_their_own_stops_and_budgets(
     """Greedy and sampled jobs, with and without a stop id, decode in the same steps: each row stops on its
     own stop ids and budget only."""
     engine = make_engine(tiny_model_dir, tokenizer)
-    engine.eos_token_ids = []
     a, b = reqs(tokenizer)[:2]
     free_a = greedy_loop(model, a.input_ids, 10)
     jobs = [
-        engine.submit(a, SamplingParams(10, temperature=0.0, stop_token_ids=[free_a[4]])),
-        engine.submit(b, SamplingParams(6, temperature=1.0, n=3)),
-        engine.submit(b, SamplingParams(9, temperature=0.0)),
+        engine.submit(a, SamplingParams(10, temperature=0.0, stop_token_ids=[free_a[4]], ignore_eos=True)),
+        engine.submit(b, SamplingParams(6, temperature=1.0, n=3, ignore_eos=True)),
+        engine.submit(b, SamplingParams(9, temperature=0.0, ignore_eos=True)),
     ]
     engine.run_until(jobs)
     [stopped], sampled, [greedy] = (job.results for job in jobs)
@@ -92,12 +91,27 @@ def test_rows_of_different_sampling_configs_keep_their_own_stops_and_budgets(
     assert greedy.output_ids == greedy_loop(model, b.input_ids, 9) and greedy.finish_reason == "length"
 
 
+def test_ignore_eos_is_per_request(tiny_model_dir: Path, tokenizer) -> None:
+    """In one batch, rows that honour EOS stop at it and rows that ignore it draw it and run on."""
+    engine = make_engine(tiny_model_dir, tokenizer)
+    request = reqs(tokenizer)[0]
+    sampling = SamplingParams(60, n=8)
+    free, fixed = (
+        engine.submit(request, s) for s in (sampling, dataclasses.replace(sampling, ignore_eos=True))
+    )
+    engine.run_until([free, fixed])
+    eos = tokenizer.eos_token_id
+    assert any(r.finish_reason == "stop" and r.output_ids[-1] == eos for r in free.results)
+    assert {(r.finish_reason, len(r.output_ids)) for r in fixed.results} == {("length", 60)}
+    assert any(eos in r.output_ids for r in fixed.results)
+
+
 def test_abort_returns_partial_results(tiny_model_dir: Path, tokenizer) -> None:
     engine = make_engine(tiny_model_dir, tokenizer)
-    engine.eos_token_ids = []
     out = {}
     big = [GenerationRequest(tokenizer("sort 1:").input_ids, "a")]
-    worker = threading.Thread(target=lambda: out.update(r=engine.generate(big, SamplingParams(200, n=4))))
+    sampling = SamplingParams(200, n=4, ignore_eos=True)
+    worker = threading.Thread(target=lambda: out.update(r=engine.generate(big, sampling)))
     worker.start()
     while engine.peak_running == 0:
         time.sleep(0.01)
@@ -109,12 +123,10 @@ def test_abort_returns_partial_results(tiny_model_dir: Path, tokenizer) -> None:
 
 def test_abort_by_request_id_leaves_other_requests_running(tiny_model_dir: Path, tokenizer) -> None:
     engine = make_engine(tiny_model_dir, tokenizer)
-    engine.eos_token_ids = []
     requests = [GenerationRequest(tokenizer("sort 1:").input_ids, rid) for rid in ("keep", "stop")]
     out = {}
-    worker = threading.Thread(
-        target=lambda: out.update(r=engine.generate(requests, SamplingParams(120, n=2)))
-    )
+    sampling = SamplingParams(120, n=2, ignore_eos=True)
+    worker = threading.Thread(target=lambda: out.update(r=engine.generate(requests, sampling)))
     worker.start()
     while engine.peak_running == 0:
         time.sleep(0.01)

@@ -7,6 +7,7 @@ One server per module (vLLM starts in ~25 s); the SIGKILL test comes last and ta
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import signal
@@ -140,6 +141,16 @@ def _in_flight(engine) -> int:
 
 
 @needs_vllm
+def test_ignore_eos_runs_every_sample_to_its_budget(engine, tokenizer) -> None:
+    sampling = SamplingParams(40, n=8)
+    free = engine.generate(requests(tokenizer), sampling)
+    fixed = engine.generate(requests(tokenizer), dataclasses.replace(sampling, ignore_eos=True))
+    assert any(r.finish_reason == "stop" and r.output_ids[-1] == tokenizer.eos_token_id for r in free)
+    assert {(r.finish_reason, len(r.output_ids)) for r in fixed} == {("length", 40)}
+    assert any(tokenizer.eos_token_id in r.output_ids for r in fixed)  # EOS was drawn and decoding went on
+
+
+@needs_vllm
 def test_pause_abort_by_rid_and_resume(engine, tokenizer) -> None:
     """While paused, queued requests wait; aborting one by rid answers it, resume finishes the other."""
     engine.pause()
@@ -180,7 +191,8 @@ def _abort_all_while_generating(engine, reqs, sampling: SamplingParams, paused: 
 @needs_vllm
 def test_abort_all_reaches_every_request_the_server_holds(engine, tokenizer) -> None:
     """Requests that just arrived (vLLM may still be admitting them) are aborted too: none runs after resume."""
-    out = _abort_all_while_generating(engine, requests(tokenizer), SamplingParams(200, n=8), paused=True)
+    sampling = SamplingParams(200, n=8, ignore_eos=True)
+    out = _abort_all_while_generating(engine, requests(tokenizer), sampling, paused=True)
     assert {r.finish_reason for r in out} == {"abort"}
 
 
@@ -188,11 +200,14 @@ def test_abort_all_reaches_every_request_the_server_holds(engine, tokenizer) -> 
 def test_abort_all_returns_partial_results(engine, tokenizer) -> None:
     """Abort during decoding: rows come back 'abort' with the tokens generated so far and their log-probs.
 
-    vLLM's engine core decodes on while the server answers HTTP, so on a starved machine every row can end
-    before the abort lands: such an attempt proves nothing and is repeated.
+    Rows ignore EOS, so only the abort or the budget ends them. vLLM's engine core decodes on while the
+    server answers HTTP, so on a starved machine every row can reach its budget before the abort lands:
+    such an attempt proves nothing and is repeated.
     """
+    sampling = SamplingParams(200, n=8, ignore_eos=True)
     for _ in range(5):
-        out = _abort_all_while_generating(engine, requests(tokenizer), SamplingParams(200, n=8), paused=False)
+        out = _abort_all_while_generating(engine, requests(tokenizer), sampling, paused=False)
+        assert {r.finish_reason for r in out} <= {"abort", "length"}
         partial = [r for r in out if r.finish_reason == "abort" and r.output_ids]
         if partial:
             break
