@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from relax_core.engines.base import GenerationRequest
+from relax_core.engines.base import GenerationRequest, GenerationResult
 from relax_core.engines.torch_engine import TorchEngine
 from relax_models.loader import load_causal_lm
 
@@ -21,6 +21,16 @@ PROMPTS = ["sort 31524:", "sort 9:", "hello there, sort 8080:", "x"]
 
 def reqs(tokenizer, prompts=PROMPTS) -> list[GenerationRequest]:
     return [GenerationRequest(tokenizer(p).input_ids, f"r{i}") for i, p in enumerate(prompts)]
+
+
+def check_ignore_eos(
+    free: list[GenerationResult], fixed: list[GenerationResult], eos: int, budget: int
+) -> None:
+    """``free`` samples honour EOS and some stop at it; every ``fixed`` sample (``ignore_eos``) runs its whole
+    budget, and some drew EOS on the way."""
+    assert any(r.finish_reason == "stop" and r.output_ids[-1] == eos for r in free)
+    assert {(r.finish_reason, len(r.output_ids)) for r in fixed} == {("length", budget)}
+    assert any(eos in r.output_ids for r in fixed)
 
 
 @torch.no_grad()
