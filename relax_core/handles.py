@@ -9,10 +9,9 @@ which take either kind of reference; a role's exception surfaces at :func:`get`,
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
-
-import ray
 
 
 class InProcessRef:
@@ -77,6 +76,8 @@ def get(refs: Any, timeout: float | None = None) -> Any:
         return refs.result()
     if isinstance(refs, list) and any(isinstance(r, InProcessRef) for r in refs):
         return [get(r, timeout) for r in refs]
+    import ray  # imported only here and below: cluster=in_process runs where Ray is not installed
+
     return ray.get(refs, timeout=timeout)
 
 
@@ -84,12 +85,15 @@ def wait(refs: list[Any], num_returns: int = 1, timeout: float | None = None) ->
     """``ray.wait``; in-process references are finished from the start."""
     if any(isinstance(r, InProcessRef) for r in refs):
         return refs[:num_returns], refs[num_returns:]
+    import ray
+
     return ray.wait(refs, num_returns=num_returns, timeout=timeout)
 
 
 def put(value: Any) -> Any:
     """``ray.put`` when this process runs Ray, else a reference holding ``value`` itself."""
-    return ray.put(value) if ray.is_initialized() else InProcessRef(value)
+    ray = sys.modules.get("ray")  # never imported: Ray is not running in this process
+    return ray.put(value) if ray is not None and ray.is_initialized() else InProcessRef(value)
 
 
 def kill(handle: Any) -> None:
@@ -100,4 +104,6 @@ def kill(handle: Any) -> None:
         if close is not None:
             close()
     else:
+        import ray
+
         ray.kill(handle, no_restart=True)

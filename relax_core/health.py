@@ -28,9 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ray.exceptions import GetTimeoutError, RayActorError, WorkerCrashedError
-
 from relax_core import handles
+from relax_core.ray_errors import GetTimeoutError, RayActorError, WorkerCrashedError
 from relax_core.ray_groups import RoleGroup
 
 log = logging.getLogger("relax")

@@ -7,12 +7,13 @@ backends: FSDP data-parallel ranks for ``trainer=torch`` and megatron's TP x PP 
 
 from __future__ import annotations
 
-import os
+import math
 from typing import Any
 
 import torch
 
 from relax_core.errors import RelaxUserError
+from relax_models.devices import local_cuda_index
 from relax_models.ports import free_port
 
 
@@ -24,8 +25,25 @@ def role_device() -> torch.device:
     """
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    index = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
-    return torch.device("cuda", index)
+    return torch.device("cuda", local_cuda_index(torch.cuda.device_count()))
+
+
+def gpu_env(num_gpus: float) -> dict[str, str]:
+    """Environment a Ray actor given ``num_gpus`` needs so that it sees only the GPUs it was given.
+
+    Ray narrows ``CUDA_VISIBLE_DEVICES`` for an actor with GPUs, but since 2.60 leaves it alone for one with
+    none (``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO`` restores the old narrowing to ""), so such a role would see
+    every GPU of its node and ``role_device()`` would put it on ``cuda:0``, another role's GPU. We hide them
+    per actor rather than set that flag: it is Ray-version specific, must reach every worker's environment
+    and rewrites every accelerator family's variable. Where neither the cluster nor this node has a GPU
+    nothing is set, so CPU runs start the same workers as before.
+    """
+    import ray
+
+    if num_gpus > 0:
+        return {}
+    has_gpus = ray.cluster_resources().get("GPU", 0.0) > 0 or torch.cuda.device_count() > 0
+    return {"CUDA_VISIBLE_DEVICES": ""} if has_gpus else {}
 
 
 def reserve(bundles: list[dict[str, float]], name: str, timeout_s: float = 120.0) -> Any:
@@ -126,3 +144,78 @@ def check_training_ranks(cfg: Any) -> None:
             raise RelaxUserError(
                 f"{key}={size} does not divide over {dp} data-parallel ranks (trainer.dp_size)"
             )
+
+
+def gpu_bundles(cfg: Any) -> list[float]:
+    """GPUs of each placement-group bundle the mode reserves (what ``modes/colocate.py`` and
+    ``modes/asynchronous.py`` ask Ray for; Reference, Critic and Teacher share an Actor rank's in colocate)."""
+    r, t = cfg.rollout, cfg.trainer
+    world = actor_world_size(t)
+    if cfg.mode.name == "colocate":
+        return [
+            (i < r.num_engines) * r.num_gpus + (i < world) * t.num_gpus
+            for i in range(max(r.num_engines, world))
+        ]
+    from relax_core.algorithms.spec import requirements
+
+    helpers = len(requirements(cfg).model_roles) * helper_ranks(t)
+    return [r.num_gpus] * r.num_engines + [t.num_gpus] * (world + helpers)
+
+
+def cluster_gpus(cluster: Any) -> tuple[str, int, int] | None:
+    """(setting, nodes, GPUs per node) the cluster option promises; None when only the running Ray knows
+    (``cluster=ray`` / ``slurm_allocation``: ``reserve`` checks there), or no Ray reserves anything
+    (``cluster=in_process``). ``cluster=local`` with ``num_gpus: null`` is this machine's GPUs: they bound
+    what fits, but do not make a run a GPU run (see :func:`check_gpus`)."""
+    if cluster.name == "local":
+        detected = cluster.num_gpus is None
+        return "cluster.num_gpus", 1, torch.cuda.device_count() if detected else cluster.num_gpus
+    if cluster.name == "slurm":
+        return "cluster.gpus_per_node", cluster.nodes, cluster.gpus_per_node
+    return None
+
+
+def check_gpus(cfg: Any) -> None:
+    """One-line errors for GPU asks the cluster cannot hold (before Ray starts).
+
+    A GPU run is one whose cluster has GPUs or whose trainer or rollout asks for them; this machine's
+    GPUs do not count, so a CPU config validates the same anywhere.
+    """
+    r, t = cfg.rollout, cfg.trainer
+    for key, amount in (("rollout.num_gpus", r.num_gpus), ("trainer.num_gpus", t.num_gpus)):
+        if amount < 0 or (amount > 1 and not float(amount).is_integer()):
+            raise RelaxUserError(
+                f"{key}={amount:g}: Ray gives a share of one GPU or whole GPUs (0 to 1, or 2, 3, ...)"
+            )
+    shape = cluster_gpus(cfg.cluster)
+    # GPUs the config names (a local cluster's detected GPUs leave a CPU config, the default, on the CPU)
+    named = shape[2] if shape and getattr(cfg.cluster, "num_gpus", 0) is not None else 0
+    if not named and not r.num_gpus and not t.num_gpus:
+        return
+    why = f"{shape[0]}={named}" if named else "the other roles ask for GPUs"
+    for key, amount in (("trainer.num_gpus", t.num_gpus), ("rollout.num_gpus", r.num_gpus)):
+        if not amount:
+            raise RelaxUserError(
+                f"{key}=0 on a GPU run ({why}): the role would run without a GPU of its own; set {key} "
+                "(1, or a share such as 0.5 when the Actor and an engine share a GPU)"
+            )
+    seen = math.ceil(r.num_gpus)  # an engine's server sees every GPU its share touches
+    if seen < r.tensor_parallel_size:
+        raise RelaxUserError(
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs {r.tensor_parallel_size} GPUs per engine "
+            f"but rollout.num_gpus={r.num_gpus:g} gives it {seen}: set rollout.num_gpus={r.tensor_parallel_size}"
+        )
+    if shape is None:
+        return
+    key, nodes, per_node = shape
+    given = f"{key}={per_node}" if named or not per_node else f"{key}=null (this machine's {per_node})"
+    free = [float(per_node)] * nodes
+    for need in sorted(gpu_bundles(cfg), reverse=True):  # first fit, largest first: how PACK fills nodes
+        node = next((n for n, left in enumerate(free) if need <= left + 1e-9), None)
+        if node is None:
+            asked = sum(gpu_bundles(cfg))
+            raise RelaxUserError(
+                f"the roles ask for {asked:g} GPUs (bundles of up to {max(gpu_bundles(cfg)):g}) but {given} "
+                f"gives {nodes} node(s) {per_node} each: raise {key} or lower rollout.num_engines/rollout.num_gpus/trainer.num_gpus"
+            )
+        free[node] -= need

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
-
-import ray
-from ray.util.placement_group import PlacementGroup
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from typing import TYPE_CHECKING, Any
 
 from relax_core import handles
+from relax_core.placement import gpu_env
+
+if TYPE_CHECKING:
+    import ray
+    from ray.util.placement_group import PlacementGroup
 
 # role methods that must reach a replica while another call keeps it busy (abort a generation, check it)
 CONTROL_METHODS = frozenset({"health", "abort"})
@@ -51,11 +52,16 @@ class RoleGroup:
         ``kwargs``: keyword arguments of every replica's constructor (e.g. the DataBus handle);
         ``shared``: replica i lives in process i of these shared processes instead of its own actor."""
         self.name = name
-        remote_cls = ray.remote(role_cls)
+        if pg is not None:  # Ray is imported only here: cluster=in_process runs where it is not installed
+            import ray
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            remote_cls = ray.remote(role_cls)
         self.restarts = [0] * replicas  # in-place restarts per replica (HealthManager)
         # ranks of one torch.distributed group: a replacement cannot join it, so losing one is a global restart
         self.collective = bool(env_vars) and replicas > 1
         self.shared = shared
+        hide = gpu_env(num_gpus) if pg is not None and shared is None else {}  # a role given no GPU sees none
 
         def spawn(i: int, attempt: int = 0):
             if pg is None:
@@ -68,6 +74,7 @@ class RoleGroup:
                 return shared.join(
                     name, i, RoleSpec(role_cls, args, role_kwargs, num_cpus, num_gpus, bundles[i], env)
                 )
+            env = (env_vars[i] if env_vars else {}) | hide
             return remote_cls.options(
                 name=f"{name}-{i}" + (f"-r{attempt}" if attempt else ""),
                 num_cpus=num_cpus,
@@ -76,7 +83,7 @@ class RoleGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=bundles[i]
                 ),
-                **({"runtime_env": {"env_vars": env_vars[i]}} if env_vars else {}),
+                **({"runtime_env": {"env_vars": env}} if env else {}),
             ).remote(*args, **(kwargs or {}), **({"replica": i} if pass_replica else {}))
 
         self._spawn = spawn
@@ -175,13 +182,17 @@ class SharedProcesses:
             if missing:
                 raise RuntimeError(f"{self.name}-{i} is used before {missing} joined it")
             ordered = [specs[r] for r in self.roles]
-            env = {k: v for spec in ordered for k, v in spec.env.items()}
+            num_gpus = max(spec.num_gpus for spec in ordered)
+            env = {k: v for spec in ordered for k, v in spec.env.items()} | gpu_env(num_gpus)
+            import ray
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
             self._hosts[i] = (
                 ray.remote(Colocated)
                 .options(
                     name=f"{self.name}-{i}",
                     num_cpus=sum(spec.num_cpus for spec in ordered),
-                    num_gpus=max(spec.num_gpus for spec in ordered),
+                    num_gpus=num_gpus,
                     max_concurrency=2,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.pg, placement_group_bundle_index=ordered[0].bundle
@@ -193,6 +204,8 @@ class SharedProcesses:
         return self._hosts[i]
 
     def kill(self) -> None:
+        import ray
+
         for host in self._hosts.values():
             try:
                 ray.kill(host, no_restart=True)

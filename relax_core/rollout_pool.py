@@ -25,10 +25,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-import ray
-from ray.util.placement_group import PlacementGroup
+from typing import TYPE_CHECKING, Any
 
 from relax_core import handles
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
@@ -36,6 +33,9 @@ from relax_core.engines.router import Router
 from relax_core.ray_groups import RoleGroup, SharedProcesses
 from relax_core.roles.rollout import Rollout
 from relax_core.samples import PromptRecord, Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 log = logging.getLogger("relax")
 
@@ -436,6 +436,8 @@ class RolloutPool(RoleGroup):
     def _spawn_member(self, url: str | None) -> Member:
         r, seq = self.cfg.rollout, next(self._seq)
         kind = "external" if url else "scaled"
+        import ray  # here only: cluster=in_process runs where Ray is not installed
+
         cls = ray.remote(Rollout).options(
             name=f"rollout-{kind}-{seq}-{uuid.uuid4().hex[:6]}",
             num_cpus=0.05 if url else r.num_cpus,

@@ -36,9 +36,10 @@ def validate(cfg) -> None:
 
         check_megatron_launch(cfg)
     from relax_core.multimodal import validate_model_and_modality
-    from relax_core.placement import check_training_ranks
+    from relax_core.placement import check_gpus, check_training_ranks
 
     check_training_ranks(cfg)
+    check_gpus(cfg)
     if t.offload and (cfg.mode.name != "colocate" or t.backend != "torch"):
         raise RelaxUserError(
             f"trainer.offload frees the device between colocate phases of the torch backend; this run has "

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
-import ray
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("relax")
@@ -76,7 +76,9 @@ def run_experiment_on_ray(cfg: DictConfig, connect: Connect) -> Summary:
         notifier.send("failure", f"run failed: {config.output_dir}\n{text}")
         raise
     finally:
-        ray.shutdown()
+        ray = sys.modules.get("ray")  # not imported by cluster=in_process, which runs without Ray installed
+        if ray is not None:
+            ray.shutdown()
     if summary.get("status") == "preempted":
         notifier.send("preempted", f"run preempted at step {summary['steps']}: checkpoint saved, requeueing")
         return summary

@@ -58,16 +58,26 @@ def rank_slice(batch: TrainBatch, rank: int, ranks: int) -> TrainBatch:
     return batch.select(list(range(rank * size, (rank + 1) * size)))
 
 
-def reduce_metrics(metrics: dict[str, float], group=None) -> dict[str, float]:
+def reduce_metrics(metrics: dict[str, float], device: torch.device, group=None) -> dict[str, float]:
     """Metrics of the global batch from every data-parallel rank's: ``loss`` summed (the ranks' losses
-    are shares of one batch loss), everything else averaged. Collective over ``group``."""
+    are shares of one batch loss), everything else averaged. Collective over ``group``, whose backend
+    serves ``device`` (the role's compute device: NCCL takes no CPU tensor)."""
     import torch.distributed as dist
 
     keys = sorted(metrics)
-    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(values, group=group)
     ranks = dist.get_world_size(group)
-    return {k: float(v) if k == "loss" else float(v) / ranks for k, v in zip(keys, values)}
+    return {k: float(v) if k == "loss" else float(v) / ranks for k, v in zip(keys, values.tolist())}
+
+
+def max_over_ranks(value: int, device: torch.device, group=None) -> int:
+    """The largest ``value`` over the ranks of ``group`` (collective; a tensor on ``device``, as above)."""
+    import torch.distributed as dist
+
+    widest = torch.tensor([value], device=device)
+    dist.all_reduce(widest, op=dist.ReduceOp.MAX, group=group)
+    return int(widest.item())
 
 
 def batch_to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from relax_core.backends.base import LossFn, accumulate_gradients, pad_to_width, rank_slice, reduce_metrics
@@ -59,11 +59,14 @@ class FSDPBackend(TorchBackend):
         """Shard the meta model, allocate this rank's shards on its device, and fill them from the weights
         rank 0 alone reads (on the CPU): no other rank ever holds the full model."""
         mesh = init_device_mesh(self.device.type, (self.ranks,))
+        # fp32 shards (master weights) of a trainable model are gathered in model.dtype for the forward and
+        # its gradients reduced in fp32; a frozen model's shards are in model.dtype already (no cast)
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         # one unit per decoder layer (its all-gather overlaps the previous layer's compute on GPU), then
         # the root for embeddings, final norm and the (possibly tied) head
         for layer in _decoder_layers(self.model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(self.model, mesh=mesh, mp_policy=mp)
         self.model.to_empty(device=self.device)
         cpu = torch.device("cpu")
         source = self._build_model(self.model_path, self.model_cfg, cpu) if self.rank == 0 else None
@@ -80,6 +83,9 @@ class FSDPBackend(TorchBackend):
                 buffer.copy_(source_buffers[name])
             dist.broadcast(buffer, src=0)
 
+    def _cast_forward(self) -> None:
+        """Nothing to wrap: the ``MixedPrecisionPolicy`` given to ``fully_shard`` casts the forward."""
+
     # ------------------------------------------------------------------ forward / train
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, micro_batch_size: int = 64) -> torch.Tensor:
@@ -87,11 +93,12 @@ class FSDPBackend(TorchBackend):
         width = batch.loss_mask.shape[1]
         local = rank_slice(batch, self.rank, self.ranks)
         parts = [self._logprobs_entropy(mb)[0] for mb in local.micro_batches(micro_batch_size)]
-        mine = pad_to_width(parts, width)
+        # gathered on the device the group serves (NCCL takes no CPU tensor), returned on the CPU
+        mine = pad_to_width(parts, width).to(self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.ranks)]
         dist.all_gather(gathered, mine)
         self.model.reshard()  # FSDP keeps the root's weights gathered after a forward, for a backward to come
-        return torch.cat(gathered)
+        return torch.cat(gathered).cpu()
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         """``loss_fn`` weighs micro-batches against the *global* batch (the driver built it from the whole
@@ -104,7 +111,7 @@ class FSDPBackend(TorchBackend):
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        out = reduce_metrics(out)
+        out = reduce_metrics(out, self.device)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         out.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
         return out
@@ -118,7 +125,7 @@ class FSDPBackend(TorchBackend):
     def iter_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """Gathered weights in HF names, one bucket at a time (collective): at most one bucket of full
         tensors exists besides the shards."""
-        full = ((name, _gather(t)) for name, t in self.model.state_dict().items())
+        full = ((name, _gather(t, self.compute_dtype)) for name, t in self.model.state_dict().items())
         for bucket in bucket_by_bytes(full, bucket_bytes):
             yield dict(bucket)
 
@@ -195,14 +202,14 @@ class FSDPBackend(TorchBackend):
         weights = self.state_dict()
         if self.rank != 0:
             return
-        self.model.save_pretrained(path, state_dict=weights)
+        self._save_pretrained(path, weights)
         load_tokenizer(self.model_path).save_pretrained(path)
 
 
-def _gather(tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a shard (collective), on the CPU."""
+def _gather(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The full tensor of a shard (collective), on the CPU; floating point in ``dtype`` (``model.dtype``)."""
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.clone()
-    return full.detach().cpu()
+    return full.detach().to("cpu", dtype if full.is_floating_point() else full.dtype)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

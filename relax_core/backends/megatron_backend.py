@@ -14,7 +14,8 @@ A trainable model is wrapped in megatron's ``DistributedDataParallel`` (fp32 gra
 gradients are reduced by megatron's ``finalize_model_grads`` on every device (gloo on CPU). The optimizer:
 GPU, megatron's distributed optimizer (its state sharded over data-parallel ranks); CPU, a plain
 ``torch.optim.AdamW`` on the reduced gradients with a tensor-parallel-aware global-norm clip, because
-megatron-core 0.16.1's optimizers allocate CUDA tensors unconditionally. Pipeline and context parallelism
+megatron-core 0.16.1's optimizers allocate CUDA tensors unconditionally. A bf16 model (``model.dtype``) keeps
+fp32 main params and Adam state on both: megatron's optimizer on GPU, fp32 copies the AdamW steps on CPU. Pipeline and context parallelism
 are validated but not run by this backend yet.
 """
 
@@ -38,6 +39,7 @@ from relax_core.backends.base import (
     TrainingBackend,
     accumulate_gradients,
     batch_to_device,
+    max_over_ranks,
     pad_to_width,
     rank_slice,
     reduce_metrics,
@@ -127,6 +129,8 @@ class MegatronBackend(TrainingBackend):
         self.grad_clip = float(trainer_cfg.grad_clip)
         self.optimizer: Any = None
         self.scheduler: Any = None
+        # CPU, bf16/fp16 model: the fp32 main params the AdamW steps (one per model parameter)
+        self._main: list[torch.Tensor] | None = None
         self._ddp: Any = None
         if trainable:
             self._ddp = self._wrap_ddp()
@@ -162,9 +166,32 @@ class MegatronBackend(TrainingBackend):
             self._build_megatron_optimizer(lr)
             return
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, weight_decay=t.weight_decay, betas=tuple(t.betas)
+            self._main_params(), lr=lr, weight_decay=t.weight_decay, betas=tuple(t.betas)
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._multiplier)
+
+    def _main_params(self) -> list[torch.Tensor]:
+        """What the CPU AdamW steps: an fp32 model's own parameters, or, for a bf16/fp16 model, fp32 main
+        params the model's weights follow after each step, as megatron's bf16 optimizer keeps them on GPU
+        (a bf16 parameter would round most lr-1e-6 updates away). They outlive an optimizer reset."""
+        params = list(self.model.parameters())
+        if self.dtype == torch.float32:
+            return params
+        if self._main is None:
+            self._main = [p.detach().float() for p in params]
+        return self._main
+
+    def _main_to_model(self) -> None:
+        """The model's (bf16/fp16) weights from the fp32 main params, after a step."""
+        with torch.no_grad():
+            for p, main in zip(self.model.parameters(), self._main or ()):
+                p.copy_(main)
+
+    def _model_to_main(self) -> None:
+        """The fp32 main params from weights loaded into the model."""
+        with torch.no_grad():
+            for p, main in zip(self.model.parameters(), self._main or ()):
+                main.copy_(p)
 
     def _build_megatron_optimizer(self, lr: float) -> None:  # pragma: no cover - needs CUDA
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -198,9 +225,8 @@ class MegatronBackend(TrainingBackend):
         if self.arch.num_experts and self.dp_size > 1:
             # the MoE all-gather dispatcher needs equal token counts on every rank, but data-parallel
             # replicas hold different slices: right-pad to the widest (causal, so logits are unchanged)
-            width = torch.tensor([length])
-            dist.all_reduce(width, op=dist.ReduceOp.MAX)
-            input_ids = torch.nn.functional.pad(input_ids, (0, int(width) - length))
+            width = max_over_ranks(length, self.device)
+            input_ids = torch.nn.functional.pad(input_ids, (0, width - length))
         logits = forward_logits(module, input_ids, self.arch.vocab_size)[:, :length]
         logprobs, entropy = token_logprobs_and_entropy(logits, batch, self.temperature)
         return logprobs.cpu(), entropy.cpu()
@@ -231,9 +257,10 @@ class MegatronBackend(TrainingBackend):
             out.update(grad_norm=float(grad_norm or 0.0), lr=self._lr())
             self._steps += 1
             return out
-        main_grads_to_grads(self.model)
+        main_grads_to_grads(self.model, self._main)
         grad_norm = self._clip_grads()
         self.optimizer.step()
+        self._main_to_model()
         self.scheduler.step()
         self._steps += 1
         out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0])
@@ -252,10 +279,12 @@ class MegatronBackend(TrainingBackend):
 
         local = rank_slice(batch, ps.get_data_parallel_rank(), self.dp_size)
         out = accumulate_gradients(local, self._logprobs_entropy, loss_fn, micro_batch_size, self.dp_size)
-        return reduce_metrics(out, ps.get_data_parallel_group())
+        return reduce_metrics(out, self.device, ps.get_data_parallel_group())
 
     def _named_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.model.named_parameters():
+        """The gradients the CPU AdamW steps on (the main params'), by model parameter name."""
+        named = list(self.model.named_parameters())
+        for (name, _), p in zip(named, self._main or [p for _, p in named]):
             if p.grad is not None:
                 yield name, p.grad
 
@@ -263,7 +292,8 @@ class MegatronBackend(TrainingBackend):
         """Clip by the norm of the *whole* model's gradient, counting every shard once."""
         from megatron.core import parallel_state as ps
 
-        sq = torch.zeros(3, dtype=torch.float64)  # replicated, TP-sharded, expert
+        # replicated, TP-sharded, expert; on the gradients' device, which the TP/EP groups serve
+        sq = torch.zeros(3, dtype=torch.float64, device=self.device)
         for name, grad in self._named_grads():
             value = grad.detach().double().pow(2).sum()
             if is_expert_param(name):
@@ -302,6 +332,7 @@ class MegatronBackend(TrainingBackend):
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Accepts module- or checkpoint-named HF weights; each rank copies its own shard."""
         self.bridge.load_into(self.model, unfuse_experts(state_dict), self.ranks)
+        self._model_to_main()
         if self._megatron_optimizer():  # pragma: no cover - needs CUDA
             self.optimizer.reload_model_params()  # fp32 main params follow the new weights
 
@@ -324,6 +355,7 @@ class MegatronBackend(TrainingBackend):
             {
                 "model": {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")},
                 "optimizer": optimizer_state,
+                "main_params": self._main,
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                 "steps": getattr(self, "_steps", 0),
                 "rng": rng_state(),
@@ -360,6 +392,10 @@ class MegatronBackend(TrainingBackend):
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if self._main is not None:  # the fp32 main params as saved, else (an fp32 run's) the weights
+            with torch.no_grad():
+                for main, saved in zip(self._main, state.get("main_params") or self.model.parameters()):
+                    main.copy_(saved)
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         if self._megatron_optimizer():  # pragma: no cover - needs CUDA

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 from pathlib import Path
@@ -22,7 +23,8 @@ from relax_core.backends.shared_prompts import prompt_groups, shared_prompt_logi
 from relax_core.multimodal import multimodal_model_inputs
 from relax_core.placement import role_device
 from relax_core.samples import TrainBatch
-from relax_models.loader import load_causal_lm, load_tokenizer
+from relax_models.errors import RelaxUserError
+from relax_models.loader import DTYPES, load_causal_lm, load_tokenizer
 
 
 def rng_state() -> dict:
@@ -36,7 +38,14 @@ def set_rng_state(state: dict) -> None:
 
 
 class TorchBackend(TrainingBackend):
-    """One HF model; ``trainable=False`` gives a frozen scorer (Reference, Teacher)."""
+    """One HF model; ``trainable=False`` gives a frozen scorer (Reference, Teacher).
+
+    ``model.dtype`` is the dtype the model computes in. A trainable model keeps its parameters, gradients
+    and AdamW state in fp32 (master weights: at lr 1e-6 a bf16 parameter would round most updates away)
+    and runs its forward in ``model.dtype`` (:meth:`_cast_forward`); a frozen scorer holds its weights in
+    ``model.dtype``. Weights leave the backend (:meth:`state_dict`, export) in ``model.dtype``, the dtype
+    the rollout engines load.
+    """
 
     def __init__(
         self, model_path: str, trainer_cfg, model_cfg, temperature: float = 1.0, trainable: bool = True
@@ -44,9 +53,17 @@ class TorchBackend(TrainingBackend):
         self.model_path = model_path
         self.temperature = temperature
         self.family = model_cfg.family
+        if model_cfg.dtype not in DTYPES:
+            raise RelaxUserError(f"model.dtype={model_cfg.dtype!r} is not one of {sorted(DTYPES)}")
+        self.compute_dtype = DTYPES[model_cfg.dtype]
+        self.trainable = trainable
+        # what _build_model loads: a trainable model's parameters in fp32 (read straight from the checkpoint)
         self.model_cfg = model_cfg
+        if trainable:
+            self.model_cfg = copy.copy(model_cfg)  # a dataclass or a namespace (the teacher's pretraining)
+            self.model_cfg.dtype = "float32"
         self.device = role_device()
-        self.model = self._build_model(model_path, model_cfg, self._load_device())
+        self.model = self._build_model(model_path, self.model_cfg, self._load_device())
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
         if trainable and model_cfg.gradient_checkpointing:
@@ -58,6 +75,7 @@ class TorchBackend(TrainingBackend):
         )
         self.optimizer = self.scheduler = None
         self._shard()
+        self._cast_forward()
         if trainable:
             self.reset_optimizer(trainer_cfg.lr)
 
@@ -78,6 +96,13 @@ class TorchBackend(TrainingBackend):
 
     def _shard(self) -> None:
         """Hook for sharded subclasses (FSDP): runs once the model is loaded, before the optimizer."""
+
+    def _cast_forward(self) -> None:
+        """fp32 parameters computing in a lower ``model.dtype``: the model's forward runs under autocast (the
+        backward follows the forward's dtypes; gradients land in fp32 on the fp32 parameters)."""
+        if self.trainable and self.compute_dtype != torch.float32:
+            autocast = torch.autocast(self.device.type, dtype=self.compute_dtype)
+            self.model.forward = autocast(self.model.forward)
 
     def reset_optimizer(self, lr: float) -> None:
         t = self.trainer_cfg
@@ -139,7 +164,13 @@ class TorchBackend(TrainingBackend):
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        """The weights in ``model.dtype`` on the CPU (fp32 master weights rounded to what engines load)."""
+        return {k: self._out(v) for k, v in self.model.state_dict().items()}
+
+    def _out(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A CPU copy of ``tensor``, in ``model.dtype`` if it is floating point."""
+        dtype = self.compute_dtype if tensor.is_floating_point() else tensor.dtype
+        return tensor.detach().to("cpu", dtype, copy=True)
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict, strict=False)
@@ -165,5 +196,12 @@ class TorchBackend(TrainingBackend):
         set_rng_state(state["rng"])
 
     def export_hf(self, path: str) -> None:
-        self.model.save_pretrained(path)
+        self._save_pretrained(path, self.state_dict())
         load_tokenizer(self.model_path).save_pretrained(path)
+
+    def _save_pretrained(self, path: str, weights: dict[str, torch.Tensor]) -> None:
+        """Config and safetensors of ``weights`` (in ``model.dtype``): the config records that dtype, not
+        the fp32 of the master weights, so ``dtype="auto"`` loads the folder as it was trained."""
+        self.model.save_pretrained(path, state_dict=weights)
+        self.model.config.dtype = str(self.compute_dtype).removeprefix("torch.")
+        self.model.config.save_pretrained(path)

@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from ray.exceptions import RayActorError
 
 from relax_core.algorithms.objective import micro_batch_weight
 from relax_core.databus.base import DataBus, Fields, PartitionCancelled, partition_name
 from relax_core.databus.records import SAMPLE_FIELDS, batch_from_rows, per_sample
+from relax_core.ray_errors import RayActorError
 from relax_core.samples import Sample, TrainBatch
 
 

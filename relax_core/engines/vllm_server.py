@@ -12,8 +12,9 @@ dependencies) and two dependency-free modules of this package, nothing else of R
 - ``GET /health``, ``GET /get_model_info``, ``POST /flush_cache``.
 - weights: ``/init_weights_update_group`` + ``/update_weights_from_distributed`` (a torch.distributed
   broadcast, see ``weight_broadcast``) or ``/update_weights_from_disk``; both call methods of
-  ``vllm_worker_ext.WeightLoaderExtension`` by name in vLLM's workers. A version's buckets are loaded
-  together when its last one (``flush_cache``) arrives: vLLM's in-place reload processes whole layers.
+  ``vllm_worker_ext.WeightLoaderExtension`` by name in vLLM's workers. Each bucket is loaded as it arrives
+  (vLLM's layerwise reload) and the last one (``flush_cache``) finishes the version; generation is paused
+  in between.
 
 Log-probs are those of the temperature-scaled distribution before top-k/top-p (what Relax's trainer
 recomputes): vLLM's ``processed_logprobs`` mode, or ``raw_logprobs`` when the run truncates at temperature
@@ -76,6 +77,13 @@ def create_app(engine: Any, model_path: str):
     in_flight: dict[str, set[str]] = {}  # rid -> vLLM request ids
     # vLLM ids an abort named: one that came while vLLM was still admitting the request found nothing to abort
     aborted: set[str] = set()
+
+    update = {"active": False, "resume": False}  # a version arriving in several buckets
+
+    async def end_update() -> None:
+        if update["active"] and update["resume"]:
+            await engine.resume_generation()
+        update["active"] = False
 
     async def new_weights(version: Any, flush: bool) -> None:
         if flush:
@@ -201,8 +209,25 @@ def create_app(engine: Any, model_path: str):
             return {"success": False, "message": f"{type(err).__name__}: {err}"}
         return {"success": True, "message": "ok"}
 
+    # SGLang's weight-update session around the buckets: this server needs none (the workers know a
+    # version's last bucket by flush_cache), so the routes only answer
+    @app.post("/begin_weight_update")
+    async def begin_weight_update() -> dict[str, Any]:
+        return {"success": True, "message": "ok"}
+
+    @app.post("/end_weight_update")
+    async def end_weight_update() -> dict[str, Any]:
+        return {"success": True, "message": "ok"}
+
     @app.post("/update_weights_from_distributed")
     async def update_distributed(body: DistributedBody) -> dict[str, Any]:
+        # the workers load each bucket as it arrives: until a version's last bucket the model is part new,
+        # part on the meta device, so nothing is scheduled in between (requests wait, then go on)
+        if not body.flush_cache and not update["active"]:
+            update["active"] = True
+            update["resume"] = not await engine.is_paused()  # a client's own pause stays
+            if update["resume"]:
+                await engine.pause_generation(mode="keep", clear_cache=False)
         try:
             await engine.collective_rpc(
                 "update_weights_from_distributed",
@@ -215,7 +240,10 @@ def create_app(engine: Any, model_path: str):
                 },
             )
         except Exception as err:
+            await end_update()  # the workers finished the version (what arrived of it) on the error
             return {"success": False, "message": f"{type(err).__name__}: {err}"}
+        if body.flush_cache:
+            await end_update()
         await new_weights(body.weight_version, body.flush_cache)
         return {"success": True, "message": "ok"}
 
@@ -258,6 +286,7 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--logprobs-mode", default="processed_logprobs")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--parent-pid", type=int, default=None)
@@ -276,6 +305,7 @@ def main() -> None:
         tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_model_len=args.max_model_len,
         logprobs_mode=args.logprobs_mode,
         worker_extension_cls=WORKER_EXTENSION,
         enforce_eager=args.enforce_eager,

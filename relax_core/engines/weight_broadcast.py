@@ -7,12 +7,15 @@ control messages are SGLang's request shapes, served by SGLang itself and by Rel
 
 - ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset, world_size, group_name,
   backend}``: the server's workers join the group as ranks ``rank_offset + tp_rank``;
-- ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes, group_name, flush_cache,
-  weight_version}``: the workers receive one broadcast per named tensor, in order, and load them.
+- ``POST /begin_weight_update`` ``{}``, then per bucket ``POST /update_weights_from_distributed`` ``{names,
+  dtypes, shapes, group_name, flush_cache, weight_version}`` (the workers receive one broadcast per named
+  tensor, in order, and load them), then ``POST /end_weight_update`` ``{}``: SGLang takes updates only
+  inside such a session.
 
 A state dict goes as buckets of at most ``bucket_bytes``, one request per bucket; the last one carries the
-version and flushes the server's prefix cache. This module imports only torch, so the vLLM side
-(``vllm_worker_ext``) shares :func:`join_group` with it.
+version and flushes the server's prefix cache. The group's store keys are those of SGLang's
+``init_custom_process_group``, with which SGLang's server joins; this module imports only torch, so Relax's
+vLLM worker extension (``vllm_worker_ext``) joins with :func:`join_group`: one path for both engines.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 # generous: the first join waits for the server side to receive the request
 GROUP_TIMEOUT = timedelta(seconds=300)
@@ -38,13 +42,29 @@ def join_group(
 
 
 def _group(store: dist.Store, rank: int, world_size: int, group_name: str, backend: str) -> dist.ProcessGroup:
-    """A process group of its own, not torch's default group (which a trainer may already use)."""
-    store = dist.PrefixStore(group_name, store)
+    """The group with the store keys of SGLang's ``init_custom_process_group``, so an SGLang server joins with
+    its own code: it wraps the rendezvous store in ``PrefixStore(group_name)`` and passes it to torch's
+    ``_new_process_group_helper``, which prefixes the keys again with ``<group_name>/`` and then the backend's
+    device (``cpu/`` for gloo, ``cuda/`` for nccl). Built here without that helper: it registers the group
+    in torch's per-process registry (one name per process, where a test plays both sides) and, where the
+    default group is bound to a GPU (a trainer), splits the new communicator off that group's."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"weight-transfer backend {backend!r} is not gloo or nccl")
+    # the helper's device: the first of the backend's devices, as torch's BackendConfig lists them
+    device = next(iter(BackendConfig(Backend(backend)).get_device_backend_map()))
+    store = dist.PrefixStore(
+        f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    )
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, GROUP_TIMEOUT)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size)
-    raise ValueError(f"weight-transfer backend {backend!r} is not gloo or nccl")
+        group = dist.ProcessGroupGloo(store, rank, world_size, GROUP_TIMEOUT)
+    else:
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = GROUP_TIMEOUT
+        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+    # as the helper does: gloo's rank 0 publishes the sequence number the other ranks wait to read
+    group._set_sequence_number_for_group()
+    return group
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -109,7 +129,19 @@ class WeightBroadcaster:
         return out
 
     def send(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Broadcast every tensor of ``state_dict`` (HF names) and tag the server's weights ``version``."""
+        """Broadcast every tensor of ``state_dict`` (HF names) and tag the server's weights ``version``.
+
+        The buckets go inside a weight-update session (``/begin_weight_update`` ... ``/end_weight_update``):
+        SGLang refuses ``/update_weights_from_distributed`` outside one, before receiving anything, which
+        would leave this side's broadcast waiting for the group timeout.
+        """
+        _check(self.post("/begin_weight_update", {}), "begin_weight_update")
+        try:
+            self._send_buckets(state_dict, version)
+        finally:
+            _check(self.post("/end_weight_update", {}), "end_weight_update")
+
+    def _send_buckets(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         buckets = self.buckets(state_dict)
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1

@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ray.util.placement_group import remove_placement_group
-
 from relax_core import handles
 from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynamic_sampling, critic_warming_up
 from relax_core.algorithms.spec import needs_old_logprobs
@@ -151,6 +149,8 @@ class ColocateMode(Mode):
         if self.transfer is not None:
             self.transfer.close()
         if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group  # Ray runs: the group is Ray's
+
             remove_placement_group(self.pg)
             self.pg = None
 

@@ -7,13 +7,14 @@ import logging
 import os
 import time
 import uuid
-from typing import Any
-
-import ray
+from typing import TYPE_CHECKING, Any
 
 from relax_core import handles
 from relax_core.weight_transfer.base import TransferStats, WeightReceiver, WeightSource
 from relax_core.weight_transfer.channel import Layout, layout_of, plan_buckets
+
+if TYPE_CHECKING:
+    import ray
 
 log = logging.getLogger("relax")
 
@@ -49,19 +50,22 @@ class WeightTransfer:
             self._layout = handles.get(self.source.call("weights_layout"))[0]
         return self._layout
 
-    def _spec(self, name: str, members: int) -> Any:
+    def _spec(self, name: str, members: int, consumers: list[Any] | None = None) -> Any:
         if self.strategy == "shared_memory":
             from relax_core.weight_transfer.shared_memory import SharedMemorySpec, remove_orphans
 
             remove_orphans()
             return SharedMemorySpec(f"/dev/shm/{self._tag}-{name}", self.layout)
         if self.strategy == "collective":
-            import torch
-
-            from relax_core.weight_transfer.collective import SyncSpec
+            from relax_core.weight_transfer.collective import SyncSpec, collective_backend
 
             host, port = handles.get(self.source.actors[0].free_address.remote())
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            # from what the members were given, not from the driver's devices
+            reports = handles.get(
+                [m.device_report.remote() for m in [self.source.actors[0], *(consumers or [])]]
+            )
+            backend = collective_backend(reports)
+            log.info("weight broadcast group %s: %s over %s", name, backend, reports)
             return SyncSpec(name, host, port, members + 1, self.layout, self.bucket_mb, backend)
         if self.strategy == "in_process":
             from relax_core.weight_transfer.in_process import InProcessSpec
@@ -75,7 +79,7 @@ class WeightTransfer:
 
     def connect(self, name: str, consumers: list[Any]) -> None:
         """Build the channel of consumer set ``name``: the source's end first, then every consumer's."""
-        spec = self._spec(name, len(consumers))
+        spec = self._spec(name, len(consumers), consumers)
         key = f"{self.strategy}:{name}"
         refs = [self.source.actors[0].source_connect.remote(key, self.strategy, spec)]
         if self.strategy != "collective":  # the others need the source's end in place first

@@ -63,6 +63,13 @@ class _WeightEndpoint:
 
         return ray.get_runtime_context().get_node_id()
 
+    def device_report(self) -> tuple[str, list[str]]:
+        """(node id, GPU ids Ray gave this process): what picks a broadcast group's backend."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return context.get_node_id(), context.get_accelerator_ids().get("GPU", [])
+
 
 class WeightSource(_WeightEndpoint):
     """Mixin of the role that owns the trained weights (the Actor); needs ``self.backend``.

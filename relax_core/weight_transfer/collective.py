@@ -1,4 +1,5 @@
-"""``collective``: the Actor broadcasts each version over a torch.distributed group (gloo on CPU, NCCL on GPU).
+"""``collective``: the Actor broadcasts each version over a torch.distributed group (NCCL when every member
+has a GPU of its own, else gloo: :func:`collective_backend`).
 
 Rank 0 (the Actor) flattens the state dict into buckets of about ``weight_transfer.bucket_mb`` MiB (one
 dtype per bucket, parameters in state-dict order) and broadcasts them one after the other; every consumer
@@ -10,12 +11,28 @@ touch the default process group a training backend may use. Its members are fixe
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from relax_core.weight_transfer.channel import Channel, Layout, plan_buckets
+
+
+def collective_backend(members: Sequence[tuple[str, Sequence[str]]]) -> str:
+    """``nccl`` when every member has a GPU of its own, else ``gloo``.
+
+    ``members``: each member's (node id, GPU ids Ray gave it), the source first. A member uses the first of
+    its GPUs (``cuda:0`` once Ray narrowed ``CUDA_VISIBLE_DEVICES``); NCCL cannot put two ranks on one
+    GPU, nor a rank on none, so a GPU-less member or two sharing a GPU (fractional colocation) need gloo.
+    """
+    used: set[tuple[str, str]] = set()
+    for node, gpus in members:
+        if not gpus or (node, gpus[0]) in used:
+            return "gloo"
+        used.add((node, gpus[0]))
+    return "nccl"
 
 
 @dataclass

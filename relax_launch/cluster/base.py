@@ -13,7 +13,6 @@ import logging
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-import ray
 from omegaconf import DictConfig
 
 from relax_core.config import ClusterConfig
@@ -51,6 +50,8 @@ class InProcessLauncher(ClusterLauncher):
 
 def attach_ray(address: str, runtime_env: dict[str, Any], wait_s: float = 15.0) -> None:
     """Connect this process to the running Ray cluster at ``address`` (``host:port`` or ``"auto"``)."""
+    import ray  # the Ray options import it; cluster=in_process runs where it is not installed
+
     if ray.is_initialized():
         return
     check_reachable(address, wait_s)
@@ -62,6 +63,8 @@ def attach_ray(address: str, runtime_env: dict[str, Any], wait_s: float = 15.0) 
 
 
 def log_resources() -> None:
+    import ray
+
     log.info(
         "Ray up: %s", {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
     )

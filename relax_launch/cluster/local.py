@@ -6,8 +6,6 @@ import logging
 import os
 from typing import Any
 
-import ray
-
 from relax_core.config import LocalClusterConfig
 from relax_launch.cluster.base import RAY_INIT_ARGS, InProcessLauncher, log_resources
 
@@ -19,6 +17,8 @@ class LocalLauncher(InProcessLauncher):
     cluster: LocalClusterConfig
 
     def connect(self, runtime_env: dict[str, Any]) -> None:
+        import ray  # here only: cluster=in_process runs where Ray is not installed
+
         if ray.is_initialized():
             return
         # "local" always starts a fresh Ray here, even when another cluster runs on the machine

@@ -3,7 +3,7 @@
 HF side: the parameter names of the safetensors files that transformers writes for
 ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` (one tensor per expert:
 ``model.layers.{l}.mlp.experts.{e}.gate_proj.weight``). transformers 5 keeps experts *fused* in memory
-(``mlp.experts.gate_up_proj`` ``[E, 2I, H]``); :func:`unfuse_experts` / :func:`fuse_experts` translate.
+(``mlp.experts.gate_up_proj`` ``[E, 2I, H]``); ``relax_models.expert_names`` translates.
 
 Megatron side: the local parameter names of one rank's ``GPTModel`` shard. Every megatron parameter has a
 :class:`Rule` saying which HF tensors it is made of and how it is split across ranks:
@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+# the fused <-> per-expert naming lives in relax_models.expert_names (the vLLM client needs it too)
+from relax_models.expert_names import fuse_experts, unfuse_experts  # noqa: F401
 from relax_models.megatron.model import ArchSpec, ParallelSizes
 from relax_models.weight_buckets import bucket_by_bytes  # noqa: F401  (re-exported for the megatron backend)
 
@@ -376,55 +378,6 @@ class Qwen3Bridge:
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """:meth:`iter_hf_weights` grouped into lists of at most ``bucket_bytes`` (weight sync)."""
         return bucket_by_bytes(self.iter_hf_weights(model, ranks), bucket_bytes)
-
-
-_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
-def unfuse_experts(hf: HFStateDict) -> HFStateDict:
-    """Per-expert checkpoint names from transformers-5 in-memory fused experts (no-op if none are fused).
-
-    ``experts.gate_up_proj [E, 2I, H]`` -> ``experts.{e}.gate_proj/up_proj.weight [I, H]``;
-    ``experts.down_proj [E, H, I]`` -> ``experts.{e}.down_proj.weight``.
-    """
-    if not any(_FUSED_EXPERTS.match(k) for k in hf):
-        return hf
-    out: dict[str, torch.Tensor] = {}
-    for key, value in hf.items():
-        m = _FUSED_EXPERTS.match(key)
-        if m is None:
-            out[key] = value
-            continue
-        for e in range(value.shape[0]):
-            if m.group(2) == "gate_up_proj":
-                gate, up = value[e].chunk(2, dim=0)
-                out[f"{m.group(1)}.{e}.gate_proj.weight"] = gate
-                out[f"{m.group(1)}.{e}.up_proj.weight"] = up
-            else:
-                out[f"{m.group(1)}.{e}.down_proj.weight"] = value[e]
-    return out
-
-
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def fuse_experts(hf: HFStateDict) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`unfuse_experts`: the names a transformers-5 MoE module's ``state_dict`` uses."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for key, value in hf.items():
-        m = _PER_EXPERT.match(key)
-        if m is None:
-            out[key] = value
-        else:
-            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = value
-    for prefix, parts in experts.items():
-        n = len(parts["down_proj"])
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([parts["gate_proj"][e], parts["up_proj"][e]], dim=0) for e in range(n)]
-        )
-        out[f"{prefix}.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
-    return out
 
 
 class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):

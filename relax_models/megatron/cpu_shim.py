@@ -24,6 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from relax_models.devices import local_cuda_index
 from relax_models.ports import free_port
 
 _ORIGINAL_CURRENT_DEVICE = torch.cuda.current_device
@@ -95,5 +96,5 @@ def init_process_group(
         raise RuntimeError("MASTER_PORT must be set (or port given) when world_size > 1")
     backend = "nccl" if cuda_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        torch.cuda.set_device(local_cuda_index(torch.cuda.device_count()))  # the device role_device() picks
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size)

@@ -410,9 +410,10 @@ def is_expert_param(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def main_grads_to_grads(model: torch.nn.Module) -> None:
+def main_grads_to_grads(model: torch.nn.Module, main_params: list[torch.Tensor] | None = None) -> None:
     """After megatron's ``finalize_model_grads`` on CPU: the reduced fp32 ``main_grad`` buffers become the
-    ``.grad`` a plain torch optimizer reads.
+    ``.grad`` a plain torch optimizer reads: of the parameters, or, given ``main_params`` (fp32 copies of a
+    bf16 model's parameters, in order), of those, in fp32.
 
     Without sequence parallelism (CPU) every tensor-parallel rank routes the same tokens, and the MoE
     all-gather dispatcher hands each token to an expert once per TP rank; megatron (which requires
@@ -422,13 +423,14 @@ def main_grads_to_grads(model: torch.nn.Module) -> None:
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
-    for name, p in model.named_parameters():
+    named = list(model.named_parameters())
+    for (name, p), target in zip(named, main_params or [p for _, p in named]):
         grad = getattr(p, "main_grad", None)
         if grad is None:
             continue
         if tp > 1 and is_expert_param(name):
             grad = grad / tp
-        p.grad = grad.to(p.dtype)
+        target.grad = grad.to(target.dtype)
 
 
 def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

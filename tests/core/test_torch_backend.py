@@ -247,3 +247,43 @@ def test_iter_weights_streams_the_state_dict_in_bounded_buckets(tiny_model_dir: 
         size = sum(t.numel() * t.element_size() for t in bucket.values())
         assert size <= 50_000 or len(bucket) == 1  # a larger tensor travels alone
         assert all(torch.equal(t, full[name]) for name, t in bucket.items())
+
+
+@pytest.mark.gpu_twin
+def test_bf16_training_steps_fp32_master_weights_under_a_bf16_forward(
+    tiny_model_dir: Path, tokenizer, tmp_path: Path
+) -> None:
+    """``model.dtype=bfloat16`` (the GPU model configs) at the recipes' lr of 1e-6: parameters and AdamW state
+    stay fp32 and take the whole step (a bf16 parameter rounds it away), the forward computes in bf16, and
+    the weights leave for the engines in bf16; a frozen scorer holds bf16 weights."""
+    lr, bf16 = 1e-6, ModelConfig(dtype="bfloat16")
+    backend = TorchBackend(str(tiny_model_dir), replace(TRAINER, lr=lr), bf16)
+    assert {p.dtype for p in backend.model.parameters()} == {torch.float32}
+    forward_dtypes: set[torch.dtype] = set()
+    for module in backend.model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda _m, _i, out: forward_dtypes.add(out.dtype))
+    before = {name: p.detach().clone() for name, p in backend.model.named_parameters()}
+    objective_step(backend, make_batch(tokenizer), AlgorithmConfig(), micro=4)
+    assert forward_dtypes == {torch.bfloat16}
+    deltas = torch.cat(
+        [(p.detach() - before[n]).abs().flatten() for n, p in backend.model.named_parameters()]
+    )
+    # Adam's first step moves every parameter with a gradient by lr (times |g| / (|g| + eps)), up to the
+    # fp32 rounding of weights near 1 (the norms)
+    assert (deltas > lr / 2).float().mean() > 0.9 and deltas.max() <= lr * 1.2
+    state = [t for s in backend.optimizer.state.values() for k, t in s.items() if k != "step"]
+    assert state and {t.dtype for t in state} == {torch.float32}
+    weights = backend.state_dict()
+    masters = backend.model.state_dict()
+    assert all(torch.equal(w, masters[n].to(torch.bfloat16)) for n, w in weights.items())
+    # checkpoints keep the fp32 masters; an HF export is bf16 and says so
+    backend.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = TorchBackend(str(tiny_model_dir), replace(TRAINER, lr=lr), bf16)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert all(torch.equal(p, masters[n]) for n, p in resumed.model.state_dict().items())
+    backend.export_hf(str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype="auto")
+    assert {p.dtype for p in exported.parameters()} == {torch.bfloat16}
+    frozen = TorchBackend(str(tiny_model_dir), TRAINER, bf16, trainable=False)
+    assert {p.dtype for p in frozen.model.parameters()} == {torch.bfloat16}

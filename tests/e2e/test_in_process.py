@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -23,14 +24,41 @@ SHORT = [
     "trainer.save_every=4",
     "trainer.export_final_model=false",
 ]
+# what the GPU machine of scripts/gpu_check.sh lacks (issue 41): cluster=in_process must run without them
+NOT_ON_GPU_MACHINE = ("ray", "mlflow", "vllm", "sglang", "megatron")
+# `python -m relax_launch` with those packages not installed, as importlib sees it (no finder finds them)
+WITHOUT = textwrap.dedent(
+    f"""
+    import runpy, sys
+
+    class Without:
+        def __init__(self, finder):
+            self.finder = finder
+
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in {NOT_ON_GPU_MACHINE!r}:
+                return None
+            return self.finder.find_spec(name, path, target)
+
+        def __getattr__(self, attr):
+            return getattr(self.finder, attr)
+
+    sys.meta_path[:] = [Without(f) if hasattr(f, "find_spec") else f for f in sys.meta_path]
+    runpy.run_module("relax_launch", run_name="__main__", alter_sys=True)
+    """
+)
 
 
-def launch(out: Path, *overrides: str, ray_tmp: Path | None = None) -> subprocess.CompletedProcess:
+def launch(
+    out: Path, *overrides: str, ray_tmp: Path | None = None, bare: bool = False
+) -> subprocess.CompletedProcess:
+    """``bare``: as on the GPU machine, without the packages of NOT_ON_GPU_MACHINE."""
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RAY_ADDRESS")}
     if ray_tmp is not None:  # where Ray would put its session folder if anything started it
         env["RAY_TMPDIR"] = str(ray_tmp)
+    entry = ["-c", WITHOUT] if bare else ["-m", "relax_launch"]
     result = subprocess.run(
-        [sys.executable, "-m", "relax_launch", *SHORT, *overrides, f"hydra.run.dir={out}"],
+        [sys.executable, *entry, *SHORT, *overrides, f"hydra.run.dir={out}"],
         cwd=out.parent,
         env=env,
         capture_output=True,
@@ -53,7 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ray_tmp = tmp / "ray_tmp"
     ray_tmp.mkdir()
     out = {"in_process": tmp / "in_process", "ray": tmp / "ray", "resumed": tmp / "resumed"}
-    logs = {"in_process": launch(out["in_process"], "cluster=in_process", ray_tmp=ray_tmp)}
+    logs = {"in_process": launch(out["in_process"], "cluster=in_process", ray_tmp=ray_tmp, bare=True)}
     logs["ray"] = launch(out["ray"], "cluster=local")
     checkpoint = out["in_process"] / "checkpoints" / "step_000004"
     logs["resumed"] = launch(out["resumed"], "cluster=in_process", f"trainer.resume={checkpoint}")
@@ -87,3 +115,15 @@ def test_in_process_run_resumes_from_its_checkpoint_step_for_step(runs) -> None:
     assert {s: resumed[s] for s in range(5, 9)} == {s: straight[s] for s in range(5, 9)}
     summary = json.loads((runs["dirs"]["resumed"] / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["resumed_from"].endswith("step_000004")
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_twin
+def test_in_process_run_needs_no_ray_mlflow_or_engine_servers(runs) -> None:
+    """The GPU check (scripts/gpu_check.sh) runs cluster=in_process where only torch and transformers are
+    installed: the in-process run above had Ray, MLflow, vLLM, SGLang and megatron-core hidden."""
+    log = runs["logs"]["in_process"].stdout + runs["logs"]["in_process"].stderr
+    assert runs["logs"]["in_process"].args[1:3] == ["-c", WITHOUT]
+    assert "No module named" not in log
+    summary = json.loads((runs["dirs"]["in_process"] / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 8

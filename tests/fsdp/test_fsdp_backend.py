@@ -29,6 +29,8 @@ pytestmark = [
 WORLD = 2
 # clipping active (the tiny model's first gradient norm is well above 0.5): the norm must span all shards
 TRAINER = TrainerConfig(lr=1e-3, lr_decay="constant", grad_clip=0.5, fsdp=True, dp_size=WORLD)
+# the recipes' learning rate, which bf16 parameters would round away
+BF16_TRAINER = dataclasses.replace(TRAINER, lr=1e-6)
 ALGO = AlgorithmConfig(loss_agg_mode="token-mean", entropy_coef=0.01)
 
 
@@ -70,6 +72,28 @@ def trajectory(backend, batch: TrainBatch, checkpoint: Path) -> dict[str, Any]:
     out["step2"] = objective_step(backend, batch, micro=2)
     out["weights2"] = backend.state_dict()
     return out
+
+
+def bf16_step(backend, batch: TrainBatch) -> dict[str, Any]:
+    """One step of a ``model.dtype=bfloat16`` backend at lr 1e-6: the dtypes of its shards, AdamW state,
+    forward and published weights, and how far the step moved the shards."""
+    forward_dtypes: set[torch.dtype] = set()
+    for module in backend.model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda _m, _i, out: forward_dtypes.add(out.dtype))
+    before = [p.to_local().detach().clone() for p in backend.model.parameters()]
+    objective_step(backend, batch, micro=2)
+    after = [p.to_local().detach() for p in backend.model.parameters()]
+    deltas = torch.cat([(a - b).abs().flatten() for a, b in zip(after, before)])
+    state = [t for s in backend.optimizer.state.values() for k, t in s.items() if k != "step"]
+    return {
+        "shard_dtypes": {t.dtype for t in after},
+        "state_dtypes": {(t.to_local() if hasattr(t, "to_local") else t).dtype for t in state},
+        "forward_dtypes": forward_dtypes,
+        "moved": float((deltas > BF16_TRAINER.lr / 2).float().mean()),
+        "max_delta": float(deltas.max()),
+        "weight_dtypes": {t.dtype for t in backend.state_dict().values()},
+    }
 
 
 def critic_config() -> RelaxConfig:
@@ -122,6 +146,7 @@ def _worker(rank: int, port: int, model_dir: str, tmp: str, queue: Any) -> None:
             "logprobs": reference.forward_logprobs(batch, 3),
         }
         result["critic"] = critic_trajectory(Critic(critic_config(), model_dir, sharded=True), batch)
+        result["bf16"] = bf16_step(FSDPBackend(model_dir, BF16_TRAINER, ModelConfig(dtype="bfloat16")), batch)
         # exact resume: a fresh backend loads the step-1 checkpoint and retakes step 2
         torch.manual_seed(99)  # the checkpoint's RNG state must win over this
         resumed = FSDPBackend(model_dir, TRAINER, ModelConfig())
@@ -242,6 +267,19 @@ def test_sharded_critic_fits_like_the_unsharded_critic(sharded, single) -> None:
                 assert got[f"fit{step}"][key] == pytest.approx(want[f"fit{step}"][key], rel=1e-5, abs=1e-7)
         # two updates at lr 1e-2 amplify fp32 summation-order differences to ~1e-5
         torch.testing.assert_close(got["values3"], want["values3"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu_twin
+def test_bf16_shards_and_adamw_state_stay_fp32_under_a_bf16_forward(sharded) -> None:
+    """``model.dtype=bfloat16`` (the GPU model configs): FSDP2's ``MixedPrecisionPolicy`` gathers the fp32
+    shards in bf16 for the forward; the shards and AdamW state stay fp32 and take the whole lr-1e-6 step
+    (Adam's first step moves each element by about lr); the weights go out to the engines in bf16."""
+    for rank in range(WORLD):
+        got = sharded[rank]["bf16"]
+        assert got["shard_dtypes"] == got["state_dtypes"] == {torch.float32}
+        assert got["forward_dtypes"] == {torch.bfloat16}
+        assert got["moved"] > 0.9 and got["max_delta"] <= 1.2 * BF16_TRAINER.lr
+        assert got["weight_dtypes"] == {torch.bfloat16}
 
 
 def test_sharded_checkpoint_resumes_exactly(sharded) -> None:

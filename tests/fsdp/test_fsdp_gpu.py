@@ -35,7 +35,10 @@ def test_backend_engine_and_critic_models_live_on_the_gpu_in_bf16(tiny_model_dir
 
     model_cfg = ModelConfig(dtype="bfloat16")
     backend = TorchBackend(str(tiny_model_dir), TrainerConfig(), model_cfg)
-    assert {(p.device.type, p.dtype) for p in backend.model.parameters()} == {("cuda", torch.bfloat16)}
+    # a trainable model keeps fp32 master weights and computes in bf16; a frozen one holds bf16
+    assert {(p.device.type, p.dtype) for p in backend.model.parameters()} == {("cuda", torch.float32)}
+    frozen = TorchBackend(str(tiny_model_dir), TrainerConfig(), model_cfg, trainable=False)
+    assert {(p.device.type, p.dtype) for p in frozen.model.parameters()} == {("cuda", torch.bfloat16)}
     engine = build_engine(
         "torch", str(tiny_model_dir), load_tokenizer(str(tiny_model_dir)), model_cfg, seed=0
     )

@@ -80,6 +80,11 @@ def validate_or_complete(overrides: list[str]) -> None:
             extra.append("model.path=/data/checkpoint")  # validate checks the choice, not the folder
         if "data.train_path" in message and not any(e.startswith("data.train_path=") for e in extra):
             extra.append("data.train_path=/data/train.jsonl")
+        for key in ("trainer.num_gpus", "rollout.num_gpus"):  # a GPU engine beside a CPU trainer, or back
+            if f"{key}=0 on a GPU run" in message and not any(e.startswith(f"{key}=") for e in extra):
+                extra.append(f"{key}=0.5")
+        if "raise cluster.num_gpus" in message and not any(e.startswith("cluster.num_gpus=") for e in extra):
+            extra.append("cluster.num_gpus=8")  # a GPU option composed on a machine without GPUs
         modality = next((o.split("=", 1)[1] for o in overrides if o.startswith("modality=")), None)
         if modality and f"modality={modality}" in message and not any(e.startswith("model=") for e in extra):
             candidates = models_for(modality)

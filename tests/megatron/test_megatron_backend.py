@@ -186,6 +186,34 @@ def test_checkpoint_resume_reproduces_the_next_step_exactly(folders, tmp_path) -
     assert _max_diff(resumed.state_dict(), expected) == 0.0
 
 
+@pytest.mark.gpu_twin
+def test_bf16_model_steps_fp32_main_params(folders, tmp_path) -> None:
+    """``model.dtype=bfloat16`` on CPU, as megatron's bf16 optimizer on GPU: the model computes in bf16 and
+    AdamW steps fp32 main params, which take the whole lr-1e-6 step (a bf16 parameter rounds it away); the
+    model's weights follow them rounded; a checkpoint keeps them."""
+    lr, bf16 = 1e-6, ModelConfig(dtype="bfloat16")
+    cfg = _trainer_cfg(lr=lr, weight_decay=0.0, lr_warmup_steps=0)
+    mega = MegatronBackend(folders["dense"], cfg, bf16, seed=1)
+    dtypes = {name: p.dtype for name, p in mega.model.named_parameters()}
+    assert torch.bfloat16 in dtypes.values(), dtypes
+    main = [p for group in mega.optimizer.param_groups for p in group["params"]]
+    assert {p.dtype for p in main} == {torch.float32}
+    before = [p.clone() for p in main]
+    batch = _batch()
+    mega.train_step(batch, _loss_fn(float(batch.loss_mask.sum())), 4)
+    deltas = torch.cat([(p - b).abs().flatten() for p, b in zip(main, before)])
+    # Adam's first step moves each element with a gradient by about lr, up to fp32 rounding near 1
+    assert (deltas > lr / 2).float().mean() > 0.9 and deltas.max() <= 1.2 * lr
+    state = [t for s in mega.optimizer.state.values() for k, t in s.items() if k != "step"]
+    assert state and {t.dtype for t in state} == {torch.float32}
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(mega.model.parameters(), main))
+    mega.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = MegatronBackend(folders["dense"], cfg, bf16, seed=2)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    resumed_main = [p for group in resumed.optimizer.param_groups for p in group["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(resumed_main, main))
+
+
 def test_checkpoint_from_other_parallel_sizes_is_refused(folders, tmp_path) -> None:
     mega = MegatronBackend(folders["dense"], _trainer_cfg(), MODEL_CFGS["dense"], seed=1)
     mega.save_checkpoint(str(tmp_path))
