@@ -146,16 +146,26 @@ def check_training_ranks(cfg: Any) -> None:
             )
 
 
+def colocate_bundles(rollout_cfg: Any, trainer_cfg: Any) -> list[dict[str, float]]:
+    """Colocate's placement-group bundles: bundle i holds rollout engine i (i < num_engines) and Actor rank i
+    (i < the Actor's world size), their CPUs and GPUs added up."""
+    r, t = rollout_cfg, trainer_cfg
+    world = actor_world_size(t)
+    bundles = []
+    for i in range(max(r.num_engines, world)):
+        engines, trainers = int(i < r.num_engines), int(i < world)
+        gpu = engines * r.num_gpus + trainers * t.num_gpus
+        bundles.append({"CPU": engines * r.num_cpus + trainers * t.num_cpus} | ({"GPU": gpu} if gpu else {}))
+    return bundles
+
+
 def gpu_bundles(cfg: Any) -> list[float]:
     """GPUs of each placement-group bundle the mode reserves (what ``modes/colocate.py`` and
     ``modes/asynchronous.py`` ask Ray for; Reference, Critic and Teacher share an Actor rank's in colocate)."""
     r, t = cfg.rollout, cfg.trainer
-    world = actor_world_size(t)
     if cfg.mode.name == "colocate":
-        return [
-            (i < r.num_engines) * r.num_gpus + (i < world) * t.num_gpus
-            for i in range(max(r.num_engines, world))
-        ]
+        return [bundle.get("GPU", 0.0) for bundle in colocate_bundles(r, t)]
+    world = actor_world_size(t)
     from relax_core.algorithms.spec import requirements
 
     helpers = len(requirements(cfg).model_roles) * helper_ranks(t)

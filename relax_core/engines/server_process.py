@@ -64,6 +64,24 @@ class ServerProcess:
             pass
 
 
+def python_with(package: str, chosen: str, hint: str) -> str:
+    """``chosen`` when it is a Python that has ``package`` (an engine's own interpreter: vLLM and SGLang pin
+    their own torch); a RelaxUserError naming the cause and ``hint`` otherwise."""
+    if not Path(chosen).exists():
+        raise RelaxUserError(f"rollout.engine={package} cannot start: no Python at {chosen}; {hint}")
+    probe = subprocess.run(
+        [
+            chosen,
+            "-c",
+            f"import importlib.util, sys; sys.exit(importlib.util.find_spec({package!r}) is None)",
+        ],
+        capture_output=True,
+    )
+    if probe.returncode != 0:
+        raise RelaxUserError(f"rollout.engine={package} cannot start: {chosen} has no {package}; {hint}")
+    return chosen
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group ``pgid``, from /proc."""
     members = []

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from relax_core.config import RolloutConfig
 from relax_core.engines.base import default_memory_fraction, engine_dtype
-from relax_core.engines.server_process import ServerEngine, ServerProcess, check_server_weight_update
+from relax_core.engines.server_process import (
+    ServerEngine,
+    ServerProcess,
+    check_server_weight_update,
+    python_with,
+)
 from relax_core.errors import RelaxUserError
 from relax_models.ports import free_port
 
@@ -38,16 +42,7 @@ def sglang_python(configured: str | None = None) -> str:
     default = Path(os.environ.get("RELAX_SGLANG_VENV", DEFAULT_VENV)) / "bin" / "python"
     if not explicit and not default.exists() and importlib.util.find_spec("sglang") is not None:
         return sys.executable  # SGLang installed in the project's own venv
-    chosen = explicit or str(default)
-    if not Path(chosen).exists():
-        raise RelaxUserError(f"rollout.engine=sglang cannot start: no Python at {chosen}; {INSTALL_HINT}")
-    probe = subprocess.run(
-        [chosen, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"],
-        capture_output=True,
-    )
-    if probe.returncode != 0:
-        raise RelaxUserError(f"rollout.engine=sglang cannot start: {chosen} has no sglang; {INSTALL_HINT}")
-    return chosen
+    return python_with("sglang", explicit or str(default), INSTALL_HINT)
 
 
 def sglang_unavailable_reason(configured: str | None = None) -> str | None:

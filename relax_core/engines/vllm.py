@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,12 @@ import torch
 
 from relax_core.config import RolloutConfig
 from relax_core.engines.base import GPU_MEMORY_FRACTION, default_memory_fraction, engine_dtype
-from relax_core.engines.server_process import ServerEngine, ServerProcess, check_server_weight_update
+from relax_core.engines.server_process import (
+    ServerEngine,
+    ServerProcess,
+    check_server_weight_update,
+    python_with,
+)
 from relax_core.errors import RelaxUserError
 from relax_models.expert_names import unfuse_experts
 from relax_models.ports import free_port
@@ -46,7 +50,7 @@ def vllm_python(configured: str | None = None, gpu: bool | None = None) -> str:
     own_vllm = importlib.util.find_spec("vllm") is not None
     if gpu if gpu is not None else torch.cuda.is_available():
         if explicit:
-            return _checked(explicit)
+            return python_with("vllm", explicit, INSTALL_HINT)
         if own_vllm:
             return sys.executable
         raise RelaxUserError(
@@ -56,20 +60,7 @@ def vllm_python(configured: str | None = None, gpu: bool | None = None) -> str:
         )
     if not explicit and not default.exists() and own_vllm:
         return sys.executable
-    return _checked(explicit or str(default))
-
-
-def _checked(chosen: str) -> str:
-    """``chosen`` when it is a Python that has vLLM."""
-    if not Path(chosen).exists():
-        raise RelaxUserError(f"rollout.engine=vllm cannot start: no Python at {chosen}; {INSTALL_HINT}")
-    probe = subprocess.run(
-        [chosen, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-        capture_output=True,
-    )
-    if probe.returncode != 0:
-        raise RelaxUserError(f"rollout.engine=vllm cannot start: {chosen} has no vllm; {INSTALL_HINT}")
-    return chosen
+    return python_with("vllm", explicit or str(default), INSTALL_HINT)
 
 
 def vllm_unavailable_reason(configured: str | None = None) -> str | None:

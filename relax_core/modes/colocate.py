@@ -17,7 +17,7 @@ from relax_core import handles
 from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynamic_sampling, critic_warming_up
 from relax_core.algorithms.spec import needs_old_logprobs
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
-from relax_core.placement import actor_world_size, helper_ranks, rank_envs, reserve
+from relax_core.placement import actor_world_size, colocate_bundles, helper_ranks, rank_envs, reserve
 from relax_core.ray_groups import RoleGroup, SharedProcesses
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
@@ -50,13 +50,7 @@ class ColocateMode(Mode):
         # Actor rank split its trainer.num_cpus/num_gpus instead of reserving their own
         world = actor_world_size(t)
         sharded = set(needs.model_roles) if helper_ranks(t) > 1 else set()
-        bundles = []
-        for i in range(max(r.num_engines, world)):
-            engines, trainers = int(i < r.num_engines), int(i < world)
-            gpu = engines * r.num_gpus + trainers * t.num_gpus
-            bundles.append(
-                {"CPU": engines * r.num_cpus + trainers * t.num_cpus} | ({"GPU": gpu} if gpu else {})
-            )
+        bundles = colocate_bundles(r, t)
         # cluster=in_process: no Ray, every role an object in this process (relax_core/handles.py)
         self.pg = None if cfg.cluster.name == "in_process" else reserve(bundles, "relax-colocate")
         shared = SharedProcesses(self.pg, "actor-rollout", ["actor", "rollout"]) if self._fuse() else None
