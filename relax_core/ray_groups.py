@@ -10,6 +10,10 @@ behind :class:`~relax_core.handles.InProcessActor` handles.
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +27,37 @@ if TYPE_CHECKING:
 
 # role methods that must reach a replica while another call keeps it busy (abort a generation, check it)
 CONTROL_METHODS = frozenset({"health", "abort"})
+
+
+def exit_quietly_when_signalled_late() -> None:
+    """Make a SIGTERM that reaches this process while it exits end it at once.
+
+    Ray's SIGTERM handler raises SystemExit on the main thread. An actor Ray is already ending gracefully
+    (its handle dropped) runs its finalizers there; the launcher's ``ray.shutdown`` then signals it, and the
+    SystemExit surfaces inside a finalizer as a traceback in the run's log. A live actor keeps Ray's handling.
+    Call on the main thread (an actor's constructor runs there).
+    """
+    ray_handler = signal.getsignal(signal.SIGTERM)
+    if not callable(ray_handler):
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if sys.is_finalizing() or not threading.main_thread().is_alive():
+            os._exit(1)
+        ray_handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def actor_class(role_cls: type) -> type:
+    """``role_cls`` as a Ray actor's class: the same class, whose process first calls
+    :func:`exit_quietly_when_signalled_late`."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        exit_quietly_when_signalled_late()
+        role_cls.__init__(self, *args, **kwargs)
+
+    return type(role_cls.__name__, (role_cls,), {"__init__": __init__, "__qualname__": role_cls.__name__})
 
 
 class RoleGroup:
@@ -56,7 +91,7 @@ class RoleGroup:
             import ray
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            remote_cls = ray.remote(role_cls)
+            remote_cls = ray.remote(actor_class(role_cls))
         self.restarts = [0] * replicas  # in-place restarts per replica (HealthManager)
         # ranks of one torch.distributed group: a replacement cannot join it, so losing one is a global restart
         self.collective = bool(env_vars) and replicas > 1
@@ -225,6 +260,7 @@ class Colocated:
     """
 
     def __init__(self, roles: dict[str, tuple[type, tuple, dict[str, Any]]]) -> None:
+        exit_quietly_when_signalled_late()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-roles")
         build = lambda: {name: cls(*args, **kwargs) for name, (cls, args, kwargs) in roles.items()}  # noqa: E731
         self.roles = self._worker.submit(build).result()

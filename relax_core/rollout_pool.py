@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from relax_core import handles
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.engines.router import Router
-from relax_core.ray_groups import RoleGroup, SharedProcesses
+from relax_core.ray_groups import RoleGroup, SharedProcesses, actor_class
 from relax_core.roles.rollout import Rollout
 from relax_core.samples import PromptRecord, Sample, SampleStatus
 
@@ -438,7 +438,7 @@ class RolloutPool(RoleGroup):
         kind = "external" if url else "scaled"
         import ray  # here only: cluster=in_process runs where Ray is not installed
 
-        cls = ray.remote(Rollout).options(
+        cls = ray.remote(actor_class(Rollout)).options(
             name=f"rollout-{kind}-{seq}-{uuid.uuid4().hex[:6]}",
             num_cpus=0.05 if url else r.num_cpus,
             num_gpus=0 if url else r.num_gpus,

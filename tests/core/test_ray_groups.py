@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
+import glob
 import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -146,3 +150,48 @@ def test_groups_sharing_processes_reach_their_own_role_in_one_process(pg) -> Non
         while time.monotonic() < deadline:
             ray.get(doublers.actors[0].add.remote(1), timeout=60)
             time.sleep(0.2)
+
+
+class SlowToExit:
+    """A role whose process lingers while it exits, as one whose libraries flush or join threads at exit."""
+
+    def __init__(self, marker: str, replica: int = -1) -> None:
+        self.marker = marker
+        atexit.register(self._linger)
+
+    def _linger(self) -> None:
+        Path(self.marker).touch()
+        time.sleep(60)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def worker_log(pid: int) -> str:
+    logs = os.path.join(ray._private.worker.global_worker.node.get_session_dir_path(), "logs")
+    (path,) = glob.glob(os.path.join(logs, f"worker-*-{pid}.err"))
+    return Path(path).read_text()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own_process", "shared_process"])
+def test_a_sigterm_while_the_actor_exits_ends_it_without_a_traceback(
+    pg, tmp_path: Path, shared: bool
+) -> None:
+    """The launcher's ray.shutdown signals actors Ray is still ending gracefully; their log stays clean."""
+    marker = tmp_path / "exiting"
+    processes = SharedProcesses(pg, "slow-pair", ["slow", "counter"]) if shared else None
+    group = RoleGroup(SlowToExit, "slow", 1, pg, [0], 0.1, 0, (str(marker),), shared=processes)
+    if shared:
+        RoleGroup(Counter, "counter", 1, pg, [0], 0.1, 0, (0,), shared=processes)
+    pid = ray.get(group.actors[0].pid.remote())
+    group.actors[0].__ray_terminate__.remote()  # what dropping the last handle does
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), "the actor never reached its exit handlers"
+    os.kill(pid, signal.SIGTERM)
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}"), "the signalled actor is still there"
+    log = worker_log(pid)
+    assert "Traceback" not in log and "SystemExit" not in log, log
