@@ -10,6 +10,7 @@ behind :class:`~relax_core.handles.InProcessActor` handles.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -51,8 +52,10 @@ def exit_quietly_when_signalled_late() -> None:
 
 def actor_class(role_cls: type) -> type:
     """``role_cls`` as a Ray actor's class: the same class, whose process first calls
-    :func:`exit_quietly_when_signalled_late`."""
+    :func:`exit_quietly_when_signalled_late`. Its constructor keeps the role's signature, which Ray checks
+    arguments against before it starts the process."""
 
+    @functools.wraps(role_cls.__init__)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         exit_quietly_when_signalled_late()
         role_cls.__init__(self, *args, **kwargs)
