@@ -3,7 +3,7 @@
 Layout under ``<output_dir>/checkpoints/``::
 
     step_000040/
-        meta.json          step, time, what the folder holds (written last: a folder without it is partial)
+        meta.json          step, time, size of every file (written last: a folder without it is partial)
         driver.pt          data position (PromptStream), metrics history, health counters, extra driver state
         actor/backend.pt   model, optimizer, scheduler, RNG states of the Actor (its backend writes it)
         actor/dcp/, actor/fsdp_rank*.pt   instead, with trainer.fsdp: model + optimizer shards of every rank
@@ -15,6 +15,8 @@ A checkpoint is first assembled in ``.tmp-step_N`` and then renamed to ``step_N`
 directory is atomic on POSIX), so a job killed while saving leaves either the previous checkpoint or the new
 one, never a half-written folder that ``resume=auto`` would pick. Only the newest ``keep_last`` are kept.
 The folder must be on storage every node sees (the run dir is, on a cluster with a shared filesystem).
+A published checkpoint whose files no longer match ``meta.json`` (truncated, deleted, a broken torch
+archive) is corrupt: ``resume=auto`` and global restarts skip it for the newest intact one, with a warning.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ import re
 import shutil
 import threading
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from relax_core.errors import RelaxUserError
+from relax_core.errors import RelaxUserError, disk_full
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 META = "meta.json"
@@ -60,9 +63,47 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why checkpoint folder ``path`` cannot be loaded (one line), or None when it is intact: ``meta.json``
+    parses, every file it lists has its recorded size, and each torch file's archive directory reads."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as err:
+        return f"{META} is unreadable ({err})"
+    if not isinstance(meta, dict):
+        return f"{META} is not a JSON object"
+    for name, size in (meta.get("files") or {}).items():  # checkpoints older than the manifest lack it
+        file = path / name
+        try:
+            actual = file.stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, {size} were written"
+        if file.suffix == ".pt" and not zipfile.is_zipfile(file):  # torch.save writes a zip archive
+            return f"{name} is not a readable torch file"
+    return None
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest intact checkpoint under ``root``; corrupt newer ones are skipped with a warning. None when
+    there is none at all; a user error when there are some and every one is corrupt."""
     ckpts = list_checkpoints(root)
-    return ckpts[-1] if ckpts else None
+    problems = []
+    for path in reversed(ckpts):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if problems:
+                log.warning("resuming from %s instead: %s", path.name, "; ".join(problems))
+            return path
+        problems.append(f"checkpoint {path} is corrupt ({problem})")
+        log.warning("%s, skipping it", problems[-1])
+    if ckpts:
+        raise RelaxUserError(
+            f"no intact checkpoint under {root}: {problems[0]}; delete the corrupt folders or set trainer.resume=null"
+        )
+    return None
 
 
 def resolve_resume(resume: str | None, output_dir: str | os.PathLike) -> Path | None:
@@ -74,6 +115,12 @@ def resolve_resume(resume: str | None, output_dir: str | os.PathLike) -> Path | 
         return latest_checkpoint(checkpoint_root(output_dir))
     path = Path(resume).expanduser()
     if (path / META).is_file():
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise RelaxUserError(
+                f"trainer.resume={resume!r}: checkpoint {path.name} is corrupt ({problem}); "
+                "point it at an older checkpoint folder or at the run dir (the newest intact one)"
+            )
         return path
     inner = latest_checkpoint(path) or latest_checkpoint(checkpoint_root(path))
     if inner is not None:
@@ -115,7 +162,8 @@ class CheckpointManager:
         tmp.mkdir()
         try:
             extra = write(tmp) or {}
-            meta = {"step": step, "saved_at": time.time(), **extra}
+            files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+            meta = {"step": step, "saved_at": time.time(), **extra, "files": files}
             (tmp / META).write_text(json.dumps(meta, indent=2))
             _fsync_dir(tmp)
             if final.exists():  # move the old one aside first so `final` never points at nothing valid
@@ -126,9 +174,12 @@ class CheckpointManager:
             else:
                 tmp.rename(final)
             _fsync_dir(self.root)
-        except BaseException:
+        except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            full = disk_full(err, self.root)
+            if full is None:
+                raise
+            raise full from None
         self.prune()
         return final
 
@@ -199,7 +250,13 @@ def restore_run(roles, path: str | os.PathLike, publish: Callable[[int], None]) 
     from relax_core import handles
 
     path = Path(path)
-    driver = load_torch(path / "driver.pt")
+    try:
+        driver = load_torch(path / "driver.pt")
+    except Exception as err:  # noqa: BLE001  (torch raises many types for a damaged file)
+        raise RelaxUserError(
+            f"checkpoint {path} cannot be loaded: driver.pt: {(str(err).splitlines() or [''])[0]}; "
+            "delete that folder to resume from the one before it"
+        ) from None
     step = int(driver["step"])
     refs = roles.actor.call("load_checkpoint", str(path / "actor"))
     if roles.critic is not None:

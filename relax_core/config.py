@@ -358,6 +358,8 @@ class RolloutConfig:
     native_kernels: bool = False
     # external SGLang-compatible servers joined at launch, besides the num_engines Ray engines
     engine_urls: list[str] = field(default_factory=list)
+    # bearer token per external engine URL (an engine started with --token); scale-out requests add theirs
+    engine_tokens: dict[str, str] = field(default_factory=dict)
     # router: seconds between health probes of the engines
     health_check_interval_s: float = 5.0
     # scale-in: seconds to wait for an engine's in-flight requests before removing it anyway
@@ -440,6 +442,11 @@ class TrainerConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 120.0
     max_role_restarts: int = 3
+    # stop the run (one line naming the cause) after this many steps in a row (0: never) where more than
+    # max_bad_share of the samples were reward errors or of the optimizer updates were skipped for a
+    # non-finite loss/gradient norm; a run whose every step was bad stops at its last step too
+    max_bad_steps: int = 3
+    max_bad_share: float = 0.5
     # CPU threads of each model-holding trainer role (null: derived from the node's cores)
     num_threads: int | None = None
     num_cpus: float = 0.5
@@ -486,6 +493,50 @@ class ControlPlaneConfig:
 
 
 @dataclass
+class EvalSetConfig:
+    """One named held-out set (``eval.sets.<name>``); its metrics are ``eval/<name>/...``."""
+
+    # local JSONL/Parquet file; null: the data config's eval split (generated or data.eval_path)
+    path: str | None = None
+    # column names and system prompt of this file (null: the data config's)
+    prompt_key: str | None = None
+    label_key: str | None = None
+    system_prompt: str | None = None
+    # text around a string prompt, "{prompt}" marking where it goes (null: the prompt as is)
+    prompt_template: str | None = None
+    # scoring of this set (null: the run's ``reward``)
+    reward: RewardConfig | None = None
+    # only the first this many rows (null: all)
+    limit: int | None = None
+    # one greedy response per prompt: eval/<name>/accuracy, reward, response length
+    greedy: bool = True
+    # sampled pass: n responses per prompt at temperature/top_p -> pass@k and maj@k for every k <= n (0: off)
+    n_samples: int = 0
+    k: list[int] = field(default_factory=lambda: [1])
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # response budget (null: rollout.max_new_tokens)
+    max_new_tokens: int | None = None
+    # what maj@k votes on: "text" (the whole response), "boxed" (last \boxed{}), "number" (last number)
+    answer: str = "text"
+    # evaluate this set at every this many RL steps, a multiple of trainer.eval_every (null: each eval)
+    every: int | None = None
+    # the sampled pass at every this many steps; 0: only before RL and after the last step (it costs n×)
+    sampled_every: int = 0
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (``conf/eval/``): named sets, run every ``trainer.eval_every`` steps."""
+
+    # name -> the fields of an EvalSetConfig (free-form here so that command-line overrides can add a set;
+    # relax_core.evaluation.eval_sets checks each against EvalSetConfig)
+    sets: dict[str, Any] = field(default_factory=dict)
+    # the set whose greedy accuracy and reward are also ``eval/accuracy`` and ``eval/reward`` (the summary's)
+    primary: str = "heldout"
+
+
+@dataclass
 class RelaxConfig:
     """The whole run; ``conf/config.yaml`` fills it from the groups' defaults."""
 
@@ -501,6 +552,7 @@ class RelaxConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 1
     # set by the launcher to Hydra's output dir; every artefact of the run goes below it
     output_dir: str = "."

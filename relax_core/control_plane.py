@@ -6,7 +6,8 @@ The bound port is logged and written to ``<run dir>/control_plane.json``. Scalin
 id at once; the work runs in the background (see :mod:`relax_core.rollout_pool`). Bad bodies get a 4xx
 with a message, never a 5xx; the OpenAPI schema is at ``/openapi.json``.
 
-    POST /rollout/scale_out        {"num_replicas": N} | {"engine_urls": [...]}, optional "timeout_secs"
+    POST /rollout/scale_out        {"num_replicas": N} | {"engine_urls": [...]}, optional "timeout_secs",
+                                   "engine_tokens" ({url: token} for engines started with --token)
     GET  /rollout/scale_out[/{id}]          POST /rollout/scale_out/{id}/cancel
     POST /rollout/scale_in         {"num_replicas": N} | {"engine_urls": [...]}, "force", "dry_run"
     GET  /rollout/scale_in[/{id}]           GET /rollout/engines      GET /health      GET /metrics
@@ -21,12 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax_core.errors import RelaxUserError
-from relax_core.http_auth import bearer_auth, check_security
+from relax_core.http_auth import check_security, guard
 from relax_core.rollout_pool import RolloutPool, ScaleError
 
 log = logging.getLogger("relax")
@@ -38,7 +39,10 @@ class ScaleOutBody(BaseModel):
     engine_urls: list[str] | None = Field(
         None, min_length=1, description="external SGLang-compatible servers"
     )
-    timeout_secs: float | None = Field(None, gt=0)
+    timeout_secs: float | None = Field(None, gt=0, allow_inf_nan=False)
+    engine_tokens: dict[str, str] | None = Field(
+        None, description="bearer token per engine URL, for engines that require one"
+    )
 
 
 class ScaleInBody(BaseModel):
@@ -48,7 +52,7 @@ class ScaleInBody(BaseModel):
     force: bool = False
     dry_run: bool = False
     timeout_secs: float | None = Field(
-        None, ge=0, description="drain deadline (default rollout.drain_timeout_s)"
+        None, ge=0, allow_inf_nan=False, description="drain deadline (default rollout.drain_timeout_s)"
     )
 
 
@@ -64,7 +68,7 @@ def create_app(
     """The control-plane app over the pool ``pool()`` returns (a call, so a global restart's new pool is
     used; None: scaling endpoints answer 400, e.g. in mode=async)."""
 
-    app = FastAPI(title="Relax control plane", dependencies=[Depends(bearer_auth(token))])
+    app = guard(FastAPI(title="Relax control plane"), token)
 
     @app.exception_handler(ScaleError)
     async def scale_error(_: Request, err: ScaleError) -> JSONResponse:
@@ -104,6 +108,12 @@ def create_app(
         bad = [u for u in body.engine_urls or [] if not _valid_url(u)]
         if bad:
             raise ScaleError(400, f"engine_urls must be http(s)://host:port URLs, got {bad}")
+        tokens = {u.rstrip("/"): t for u, t in (body.engine_tokens or {}).items()}
+        unknown = sorted(set(tokens) - {u.rstrip("/") for u in body.engine_urls or []})
+        if unknown:
+            raise ScaleError(400, f"engine_tokens names URLs not in engine_urls: {unknown}")
+        # the engines' clients are built from the run's config: the tokens travel with it
+        p.cfg.rollout.engine_tokens.update(tokens)
         req = p.scale_out(body.num_replicas, body.engine_urls, body.timeout_secs)
         code = 200 if req.finished else 202
         return JSONResponse(req.to_dict(), status_code=code)

@@ -29,9 +29,10 @@ def dataset_paths(cfg, output_dir: str, seed: int) -> tuple[str, str | None]:
     return generate_synthetic(cfg, Path(output_dir) / "data", seed)
 
 
-def _read_rows(path: str) -> list[dict]:
-    """A file's rows: JSON Lines as written (a row lacking a column lacks its key), Parquet with every
-    column in every row (null where a row has no value).
+def _read_rows(path: str, on_error: str = "raise") -> tuple[list[dict], int]:
+    """A file's rows and the number of lines dropped: JSON Lines as written (a row lacking a column lacks
+    its key), Parquet with every column in every row (null where a row has no value). A line that is not
+    UTF-8, not JSON or not an object is dropped under ``on_error="skip"``, else a user error naming it.
 
     JSON Lines are parsed with the standard library: Hugging Face ``datasets`` would pull pandas and pyarrow
     (~80 MB) into the driver for a job of a few lines."""
@@ -41,6 +42,7 @@ def _read_rows(path: str) -> list[dict]:
     suffix = file.suffix.lower()
     if suffix not in (".jsonl", ".json", ".parquet"):
         raise RelaxUserError(f"dataset file {path!r}: unsupported format {suffix!r} (use .jsonl or .parquet)")
+    skipped = 0
     if suffix == ".parquet":
         import pyarrow.parquet
 
@@ -51,21 +53,33 @@ def _read_rows(path: str) -> list[dict]:
             raise RelaxUserError(f"dataset file {path!r} cannot be read: {first_line}") from None
     else:
         rows = []
-        for lineno, line in enumerate(file.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
+        # bytes, decoded line by line: one bad byte names its line instead of failing the whole file
+        for lineno, raw in enumerate(file.read_bytes().splitlines(), start=1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("a row must be a JSON object")
+            except UnicodeDecodeError as err:
+                reason = f"not UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})"
             except json.JSONDecodeError as err:
+                reason = f"invalid JSON ({err.msg})"
+            except ValueError as err:
+                reason = str(err)
+            else:
+                rows.append(row)
+                continue
+            if on_error != "skip":
                 raise RelaxUserError(
-                    f"dataset file {path!r}, line {lineno}: invalid JSON ({err.msg})"
-                ) from None
-            if not isinstance(row, dict):
-                raise RelaxUserError(f"dataset file {path!r}, line {lineno}: a row must be a JSON object")
-            rows.append(row)
-    if not rows:
+                    f"dataset file {path!r}, line {lineno}: {reason} (fix the line or set data.on_error=skip)"
+                )
+            skipped += 1
+            log.warning("skipping %s line %d: %s", path, lineno, reason)
+    if not rows and not skipped:
         raise RelaxUserError(f"dataset file {path!r} has no rows")
-    return rows
+    return rows, skipped
 
 
 def get_field(row: dict, dotted: str) -> Any:
@@ -124,18 +138,25 @@ def with_media_markers(prompt: Any, items: dict[str, list]) -> Any:
     return messages
 
 
-def load_prompts(path: str, cfg, tokenizer, media=None) -> tuple[list[PromptRecord], int]:
+def load_prompts(
+    path: str, cfg, tokenizer, media=None, template: str | None = None
+) -> tuple[list[PromptRecord], int]:
     """Tokenized prompt records of a file and the number of rows skipped (``data.on_error=skip``).
+
+    ``template`` (an eval set's) wraps a string prompt: its ``{prompt}`` is replaced by the prompt.
 
     ``media`` (a :class:`relax_core.multimodal.MediaPrompts`, for ``modality.keys``) reads each row's media
     columns and expands the placeholders in the prompt ids; records keep media references, not tensors.
     """
-    records, skipped = [], 0
-    for index, row in enumerate(_read_rows(path)):
+    rows, skipped = _read_rows(path, cfg.on_error)
+    records = []
+    for index, row in enumerate(rows):
         try:
             prompt = get_field(row, cfg.prompt_key)
             if prompt is None:  # a Parquet row without a value, or an explicit null
                 raise KeyError(cfg.prompt_key)
+            if template is not None and isinstance(prompt, str):
+                prompt = template.replace("{prompt}", prompt)
             row_items = None
             if media is not None:
                 row_items = media.row_items(row, Path(path).expanduser().parent) or None

@@ -4,6 +4,26 @@
 this is its name for the engine and the launcher, which catch it around a run.
 """
 
+from __future__ import annotations
+
+import errno
+import os
+
 from relax_models.errors import RelaxUserError
 
-__all__ = ["RelaxUserError"]
+__all__ = ["RelaxUserError", "disk_full"]
+
+
+def disk_full(err: BaseException, path: str | os.PathLike) -> RelaxUserError | None:
+    """A one-line error naming ``path`` when ``err`` (or what it wraps) is a full disk, else None.
+
+    torch's writer and Ray report ENOSPC as text in their own exception types, so the message counts too.
+    """
+    while err is not None:
+        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(err):
+            return RelaxUserError(
+                f"no space left on the device holding {os.fspath(path)}: free space there "
+                "or point the run elsewhere (hydra.run.dir=...)"
+            )
+        err = err.__cause__ or err.__context__
+    return None

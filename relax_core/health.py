@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,68 @@ ACTOR_FAILURES = (RayActorError, WorkerCrashedError)
 
 class RunFailedError(RuntimeError):
     """The run cannot continue: recoveries are exhausted. The message is the failure report."""
+
+
+def reward_problem(value: float, max_abs: float) -> str | None:
+    """Why a reward may not reach a gradient (``None``: it may): non-finite, or beyond ``reward.max_abs``,
+    where squares and sums of a step's rewards would overflow the float32 advantages into inf/NaN."""
+    if not math.isfinite(value):
+        return f"reward {value} is not finite"
+    if abs(value) > max_abs:
+        return f"reward {value:g} is outside ±reward.max_abs={max_abs:g}"
+    return None
+
+
+def mark_reward_error(sample, error: str) -> None:
+    """Score ``sample`` 0 as a counted reward error; its metadata (a copy: a prompt's samples share one
+    dict) keeps the error, which a stopped run quotes."""
+    sample.reward = 0.0
+    sample.reward_extras = {k: v for k, v in sample.reward_extras.items() if math.isfinite(v)}
+    sample.reward_extras["reward_error"] = 1.0
+    sample.metadata = dict(sample.metadata or {}) | {"reward_error": error}
+
+
+class TrainingGuard:
+    """Stops a run that is training on nothing valid, instead of letting it end "finished".
+
+    A step is bad when more than ``trainer.max_bad_share`` of its samples are reward errors
+    (``reward/reward_error``) or of its optimizer updates were skipped for a non-finite loss or gradient
+    norm (``train/skipped_steps``). ``trainer.max_bad_steps`` bad steps in a row (0: never), or a run
+    whose every step up to the last was bad, fail with :class:`RunFailedError` naming the cause and an
+    example error.
+    """
+
+    def __init__(self, trainer_cfg) -> None:
+        self.max_bad_steps = trainer_cfg.max_bad_steps
+        self.max_share = trainer_cfg.max_bad_share
+        self.total_steps = trainer_cfg.total_steps
+        self.streak = 0
+        self.seen = 0
+
+    def check(self, step: int, metrics: dict[str, float], example: str | None = None) -> None:
+        """Count ``step``; raises :class:`RunFailedError` when the run must stop."""
+        self.seen += 1
+        errors = metrics.get("reward/reward_error", 0.0)
+        skipped = metrics.get("train/skipped_steps", 0.0) / max(metrics.get("optimizer_steps", 1.0), 1.0)
+        if errors <= self.max_share and skipped <= self.max_share:
+            self.streak = 0
+            return
+        self.streak += 1
+        whole_run = step >= self.total_steps and self.streak == self.seen
+        if not self.max_bad_steps or (self.streak < self.max_bad_steps and not whole_run):
+            return
+        if errors > self.max_share:
+            cause = f"{errors:.0%} of the samples were reward errors (scored 0)"
+            fix = "fix the reward or the dataset's labels"
+        else:
+            cause = "the loss or gradient norm was not finite, so the optimizer step was skipped"
+            fix = "lower trainer.lr or check the rewards"
+        where = f"step {step}" if self.streak == 1 else f"steps {step - self.streak + 1}-{step}"
+        shown = f"; e.g. {example}" if example else ""
+        raise RunFailedError(
+            f"{where}: {cause}{shown}; stopped after {self.streak} such step(s) "
+            f"(trainer.max_bad_steps={self.max_bad_steps}, trainer.max_bad_share={self.max_share}): {fix}"
+        )
 
 
 class GlobalRestartNeeded(Exception):

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from relax_core.errors import RelaxUserError
+from relax_core.errors import RelaxUserError, disk_full
 
 log = logging.getLogger("relax")
 
@@ -83,6 +83,24 @@ def create_run(client, experiment_name: str, run_name: str | None, tags: dict[st
     return client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(tags)).info.run_id
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file and a rename: a reader (or a full disk) never leaves
+    a truncated file; a full disk is a one-line error naming ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        full = disk_full(err, path)
+        if full is None:
+            raise
+        raise full from None
+
+
 class MlflowRun:
     """This run's MLflow run, written through a client rather than MLflow's process-wide active run.
 
@@ -137,8 +155,10 @@ class MetricsSink:
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
-        self.jsonl = open(self.out / "metrics.jsonl", "a")  # noqa: SIM115  (open for the run's lifetime)
+        write_atomic(self.out / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(resolved)))
+        # a new file: a run that resumes rewrites it from its checkpoint's history (checkpoint.rewind_sink),
+        # and rows left by an attempt killed before its first checkpoint would repeat their steps
+        self.jsonl = open(self.out / "metrics.jsonl", "w")  # noqa: SIM115  (open for the run's lifetime)
         self.history: list[dict[str, float]] = []
         self.mlflow = None
         self.tensorboard = None
@@ -164,8 +184,14 @@ class MetricsSink:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         self.history.append(record)
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        except OSError as err:
+            full = disk_full(err, self.jsonl.name)
+            if full is None:
+                raise
+            raise full from None
         if self.mlflow:
             finite = {k.replace("@", "_"): v for k, v in record.items() if k != "step" and math.isfinite(v)}
             self.mlflow.log_metrics(finite, step)
@@ -208,6 +234,9 @@ class MetricsSink:
                 color="tab:red",
                 label="eval accuracy (greedy, held-out)",
             )
+        for (name, metric), points in self.set_points().items():
+            steps_, values = zip(*points, strict=True)
+            ax.plot(steps_, values, "s--", ms=4, lw=1, label=f"eval {name} {metric}")
         ax.set_xlabel("RL step")
         ax.set_ylabel("reward / accuracy")
         ax.set_ylim(-0.02, 1.02)
@@ -228,8 +257,20 @@ class MetricsSink:
             points.append((last, final_eval))
         return points
 
+    def set_points(self) -> dict[tuple[str, str], list[tuple[int, float]]]:
+        """(set, metric) -> (step, value) for every eval set's greedy accuracy and pass@k / maj@k
+        (``eval/<set>/...``, relax_core/evaluation.py); the primary set's accuracy is the red line."""
+        points: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for r in self.history:
+            for key, value in r.items():
+                parts = key.split("/")
+                if len(parts) == 3 and parts[0] == "eval" and (parts[2] == "accuracy" or "@" in parts[2]):
+                    points.setdefault((parts[1], parts[2]), []).append((int(r["step"]), value))
+        points.pop((self.cfg.eval.primary, "accuracy"), None)
+        return points
+
     def finish(self, summary: dict[str, Any], status: str = "FINISHED") -> None:
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_atomic(self.out / "summary.json", json.dumps(summary, indent=2))
         plot = self.plot(summary.get("eval_accuracy_final")) if self.cfg.logger.plot else None
         if self.mlflow:
             self.mlflow.finish(

@@ -210,9 +210,12 @@ class RolloutPool(RoleGroup):
         return self.router.check_health(self._probe, drop_after=2)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[PromptRecord], greedy: bool = False) -> list[Sample]:
-        """Scored samples of every prompt (``n`` each), prompt order kept, across the routable engines."""
-        n = 1 if greedy else self.cfg.rollout.n_samples_per_prompt
+    def generate(
+        self, prompts: list[PromptRecord], greedy: bool = False, sampling: SamplingParams | None = None
+    ) -> list[Sample]:
+        """Scored samples of every prompt (``n`` each, or ``sampling.n`` for an evaluation's sampling),
+        prompt order kept, across the routable engines."""
+        n = sampling.n if sampling is not None else 1 if greedy else self.cfg.rollout.n_samples_per_prompt
         results: dict[int, list[Sample]] = {}
         todo = list(range(len(prompts)))
         last_error: BaseException | None = None
@@ -237,7 +240,7 @@ class RolloutPool(RoleGroup):
                     member = self.members[key]
                     member.inflight += len(idxs)
                     used.add(key)
-                    ref = self._handle(member).generate.remote([prompts[i] for i in idxs], greedy)
+                    ref = self._handle(member).generate.remote([prompts[i] for i in idxs], greedy, sampling)
                     refs[ref] = (member, idxs)
             todo = []
             while refs:

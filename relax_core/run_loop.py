@@ -8,7 +8,9 @@ checkpointing get the role groups explicitly; neither reaches into the mode.
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from relax_core import handles
@@ -23,21 +25,16 @@ from relax_core.checkpoint import (
     save_run,
 )
 from relax_core.data import PromptStream, dataset_paths, load_prompts
-from relax_core.health import GlobalRestartNeeded, HealthManager
+from relax_core.evaluation import Evaluator
+from relax_core.health import GlobalRestartNeeded, HealthManager, TrainingGuard
 from relax_core.metrics import MetricsSink, check_tracking_server, format_step_line
 from relax_core.modes import build_mode
-from relax_core.modes.base import RunContext, resolve_threads
+from relax_core.modes.base import ERROR_EXAMPLE, RunContext, resolve_threads
 from relax_core.multimodal import MediaPrompts
 from relax_core.samples import Sample, TrainBatch
 from relax_models.loader import load_tokenizer, resolve_model_path
 
 log = logging.getLogger("relax")
-
-
-def accuracy(samples: list[Sample]) -> float:
-    """Share of exactly solved prompts: the reward's ``acc`` entry when it has one, else reward ≥ 1."""
-    solved = [s.reward_extras["acc"] if "acc" in s.reward_extras else float(s.reward >= 1.0) for s in samples]
-    return sum(solved) / max(len(solved), 1)
 
 
 class RunLoop:
@@ -56,9 +53,7 @@ class RunLoop:
         # multimodal runs (modality.keys): the processor reads media columns; None for text
         self.media = MediaPrompts.from_config(cfg.modality, model_path)
         train, self.skipped_rows = load_prompts(train_path, cfg.data, self.tokenizer, self.media)
-        self.eval_prompts = (
-            load_prompts(eval_path, cfg.data, self.tokenizer, self.media)[0] if eval_path else []
-        )
+        self.evaluator = Evaluator(cfg, self.tokenizer, self.media, eval_path)
         self.stream = PromptStream(train, cfg.seed, cfg.data.shuffle)
         teacher_path = None
         if cfg.algorithm.teacher is not None:
@@ -72,14 +67,37 @@ class RunLoop:
         self.health: HealthManager | None = None
 
     # ---------------------------------------------------------------- phases around the RL steps
-    def evaluate(self) -> dict[str, float]:
-        if not self.eval_prompts:
-            return {}
-        samples = self.mode.generate(self.eval_prompts, greedy=True)
-        return {
-            "eval/accuracy": accuracy(samples),
-            "eval/reward": sum(s.reward for s in samples) / len(samples),
+    def evaluate(self, step: int = 0) -> dict[str, float]:
+        """The eval sets due after RL ``step`` (0: before RL) on the mode's engines (relax_core/evaluation.py)."""
+        return self.evaluator.run(self.mode.generate, step)
+
+    def evaluate_only(self, checkpoint: str | None = None) -> dict[str, Any]:
+        """Score the model on every eval set (sampled passes included) without training, after loading a
+        run's ``checkpoint`` when given (relax_launch/eval.py). Writes one JSON line per set to
+        ``eval_metrics.jsonl`` and everything to ``eval_results.json`` in the run dir; returns the latter."""
+        self.evaluator.sampled_ok = self.cfg.rollout.agent is None  # no training draws to keep apart
+        try:
+            self.mode.start()
+            if checkpoint is not None:
+                restore_run(self.mode.roles, checkpoint, self.mode.publish)
+            metrics = self.evaluate(self.cfg.trainer.total_steps)
+        finally:
+            self.mode.stop()
+            self.evaluator.close()
+        out = Path(self.cfg.output_dir)
+        sets = self.evaluator.summary(metrics)
+        with open(out / "eval_metrics.jsonl", "a") as lines:
+            lines.writelines(json.dumps({"set": name, **m}) + "\n" for name, m in sets.items())
+        results = {
+            "status": "finished",
+            "model": self.ctx.model_path,
+            "checkpoint": checkpoint,
+            "sets": sets,
+            "metrics": metrics,
+            "output_dir": self.cfg.output_dir,
         }
+        (out / "eval_results.json").write_text(json.dumps(results, indent=2))
+        return results
 
     def warm_start(self) -> None:
         """Supervised warm-start on (prompt, label) pairs: teaches the output format before RL. The
@@ -200,6 +218,7 @@ class RunLoop:
                 self.mode.replaced,
             )
             self.mode.health = self.health
+            self.guard = TrainingGuard(t)
             self.mode.checkpoint_due = lambda s: (
                 self.checkpoints.due(s, t.total_steps) or STOP_REQUEST.is_set()
             )
@@ -237,6 +256,7 @@ class RunLoop:
             if control_plane is not None:
                 control_plane.stop()
             self.mode.stop()
+            self.evaluator.close()
             self.sink.finish(
                 {k: v for k, v in summary.items() if v is not None},
                 "FINISHED" if summary["status"] == "finished" else "FAILED",
@@ -255,14 +275,17 @@ class RunLoop:
         """Evaluate when due, log, checkpoint when due (or when a preemption asks for it)."""
         t = self.cfg.trainer
         metrics |= self.health.metrics()
+        example = metrics.pop(ERROR_EXAMPLE, None)
         if (
             t.eval_every
             and (step % t.eval_every == 0 or step == t.total_steps)
-            and "eval/accuracy" not in metrics
+            and not any(k.startswith("eval/") for k in metrics)
+            and self.evaluator.due(step)
         ):
-            metrics |= self.health.guarded(self.evaluate)
+            metrics |= self.health.guarded(lambda: self.evaluate(step))
         self.sink.log(step, metrics)
         log.info(format_step_line(step, t.total_steps, metrics))
+        self.guard.check(step, metrics, example)  # a run training on nothing valid stops, before saving it
         if self.checkpoints.due(step, t.total_steps) or STOP_REQUEST.is_set():
             self.health.guarded(lambda: self.save(step, evals))
 
@@ -274,8 +297,8 @@ class RunLoop:
                 lambda: self.mode.roles.actor.call_collective("export_hf", f"{cfg.output_dir}/final_model")
             )
         final_eval = self.sink.history[-1] if self.sink.history else {}
-        if "eval/accuracy" not in final_eval:
-            final_eval = self.health.guarded(self.evaluate)
+        if not any(k.startswith("eval/") for k in final_eval):
+            final_eval = self.health.guarded(lambda: self.evaluate(t.total_steps))
         tenth = max(1, len(rewards) // 10)
         summary = {
             "status": "finished",
@@ -285,6 +308,9 @@ class RunLoop:
             "eval_accuracy_untrained": init_eval.get("eval/accuracy"),
             "eval_accuracy_start": start_eval.get("eval/accuracy"),
             "eval_accuracy_final": final_eval.get("eval/accuracy"),
+            # every set's metrics before RL and at the end (pass@k, maj@k, lengths ...)
+            "eval_sets_start": self.evaluator.summary(start_eval),
+            "eval_sets_final": self.evaluator.summary(final_eval),
             "skipped_rows": self.skipped_rows,
             "output_dir": cfg.output_dir,
         }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 import relax_rewards
 from relax_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from relax_core.errors import RelaxUserError
@@ -11,6 +13,33 @@ from relax_core.weight_transfer import STRATEGIES
 def _check_choice(key: str, value: str, choices: list[str]) -> None:
     if value not in choices:
         raise RelaxUserError(f"{key}={value!r} is not one of {choices}")
+
+
+def _check_reward_imports(reward) -> None:
+    """Import the user's reward plug-ins and ``_target_`` here, before Ray: a syntax error or a missing
+    module is one line naming the file, not a traceback from inside a rollout engine."""
+    from relax_rewards.plugins import import_plugin, load_custom
+
+    checks = [("reward.plugins", p, import_plugin) for p in reward.plugins]
+    if reward._target_:
+        checks.append(("reward._target_", reward._target_, load_custom))
+    for key, value, load in checks:
+        try:
+            load(value)
+        except Exception as err:  # noqa: BLE001  (user code can raise anything while importing)
+            if isinstance(err, SyntaxError) and err.filename:
+                where = f"{err.filename}, line {err.lineno}: "
+            else:
+                frames = [
+                    f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith("<frozen")
+                ]
+                user = frames[-1] if frames and "relax_rewards" not in frames[-1].filename else None
+                where = f"{user.filename}, line {user.lineno}: " if user else ""
+            reason = (str(err).strip().splitlines() or [""])[0]
+            raise RelaxUserError(
+                f"{key}={value!r} cannot be loaded: {where}{type(err).__name__}: {reason}"
+                + ("; fix that file" if where else "")
+            ) from None
 
 
 def validate(cfg) -> None:
@@ -27,6 +56,7 @@ def validate(cfg) -> None:
     if r.agent is None and r.env is None:  # agent programs and environments score episodes themselves
         from relax_rewards.preflight import check_reward_config
 
+        _check_reward_imports(cfg.reward)  # first: its message names the user's file and line
         try:
             check_reward_config(cfg.reward, d.label_key, d.train_path)
         except ValueError as err:

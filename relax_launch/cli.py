@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from relax_core.config import RelaxConfig
-from relax_core.errors import RelaxUserError
+from relax_core.errors import RelaxUserError, disk_full
 from relax_core.health import RunFailedError
 from relax_launch.cluster import LAUNCHERS
 
@@ -45,6 +45,15 @@ def _hydra_main(cfg: DictConfig) -> None:
     except RunFailedError as err:  # restarts exhausted; the full report is in <run dir>/failure_report.json
         print(f"error: run failed: {str(err).splitlines()[0]}", file=sys.stderr)
         sys.exit(1)
+    except (
+        Exception
+    ) as err:  # a full disk surfaces from any writer (torch, Ray, MLflow): one line, not theirs
+        full = disk_full(err, cfg.output_dir)
+        if full is None:
+            raise
+        log.error("error: %s", full)
+        print(f"error: {full}", file=sys.stderr)
+        sys.exit(2)
 
 
 def unknown_keys(node: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import struct
 from pathlib import Path
 
 import torch
@@ -27,6 +29,9 @@ def resolve_model_path(model_cfg, output_dir: str, seed: int) -> str:
                 f"model.path={model_cfg.path!r} is not a model folder (no config.json there); "
                 "point it at a local Hugging Face checkpoint folder"
             )
+        problem = model_folder_problem(path)
+        if problem:
+            raise RelaxUserError(f"model.path={model_cfg.path!r}: {problem}")
         return str(path)
     if model_cfg.tiny is None:
         raise RelaxUserError(f"model {model_cfg.name!r} has no weights: set model.path=/path/to/hf/folder")
@@ -43,6 +48,32 @@ def resolve_model_path(model_cfg, output_dir: str, seed: int) -> str:
         if spec.get(tower) is None:
             spec.pop(tower, None)
     return str(family.build_tiny(Path(output_dir) / "model_init", seed=seed, **spec))
+
+
+def model_folder_problem(path: Path) -> str | None:
+    """What makes a model folder unloadable, in one line, checked before any process loads it: a
+    ``config.json`` that is not a JSON object, a ``*.safetensors`` file whose header does not parse or whose
+    tensors reach past its end (a truncated copy or download). None when it looks whole."""
+    config = path / "config.json"
+    try:
+        if not isinstance(json.loads(config.read_text(encoding="utf-8")), dict):
+            return f"{config} is not a JSON object; restore it from the original checkpoint"
+    except (OSError, ValueError) as err:
+        return f"{config} is not valid JSON ({err}); restore it from the original checkpoint"
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        try:
+            with file.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > size - 8:
+                    raise ValueError(f"header of {length} bytes in a {size}-byte file")
+                header = json.loads(f.read(length))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as err:
+            return f"{file} is not a readable safetensors file ({err}); copy or download it again"
+        if 8 + length + end > size:
+            return f"{file} is truncated ({size} bytes, its header needs {8 + length + end}); copy or download it again"
+    return None
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -4,10 +4,13 @@ A *call* is one invocation of a reward function (one sample, or one prompt group
 Both runners return, per call, ``("ok", value)``, ``("timeout", None)`` or ``("error", message)``
 and never raise for a failing reward.
 
-Why two runners: the process pool can kill a reward that hangs (its worker is killed and replaced, the
-other workers keep going), and runs CPU-bound verifiers in parallel. In-process mode cannot kill a
-thread; a reward that overruns is abandoned on a daemon thread (it keeps running in the background)
-and the caller moves on.
+Both run the calls of a batch concurrently, each with its own deadline counted from its start, so a
+batch whose rewards all hang costs about one timeout. Why two runners: the process pool isolates the
+run from its rewards (a reward that hangs has its worker killed and replaced; one that calls
+``os._exit`` or segfaults costs only its own samples) and runs CPU-bound verifiers in parallel.
+In-process mode cannot kill a thread (a reward that overruns is abandoned on a daemon thread and keeps
+running in the background) and a reward that exits or crashes ends the whole process. Calls running
+at once in one process share its CPU (the GIL): a CPU-bound reward's timeout must allow for that.
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ import asyncio
 import inspect
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
+import pickle
+import queue
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 log = logging.getLogger("relax_rewards.executor")
@@ -60,47 +67,18 @@ def describe_exception(e: BaseException) -> str:
 # ----------------------------------------------------------------------------------- in-process
 
 
-class _SyncBatch:
-    """Runs calls ``[start:]`` one after another on one daemon thread, publishing which call is
-    running since when; the owner can abandon it, after which nothing it produces is kept."""
-
-    def __init__(self, calls: list[Call], start: int, results: list[Status | None]) -> None:
-        self.calls, self.results = calls, results
-        self.lock = threading.Lock()
-        self.abandoned = False
-        self.done = threading.Event()
-        self.current = (start, time.monotonic())  # (call index, start time), replaced atomically
-        self.thread = threading.Thread(
-            target=self._body, args=(start,), name="relax-reward-calls", daemon=True
-        )
-        self.thread.start()
-
-    def _body(self, start: int) -> None:
-        for i in range(start, len(self.calls)):
-            self.current = (i, time.monotonic())
-            call = self.calls[i]
-            try:
-                status: Status = ("ok", invoke(call.fn, call.args, call.kwargs))
-            except BaseException as e:  # noqa: BLE001 - any failure of user code becomes an outcome
-                status = ("error", describe_exception(e))
-            with self.lock:
-                if self.abandoned:
-                    return
-                self.results[i] = status
-        self.done.set()
-
-
 class InProcessRunner:
-    """Runs calls in this process on a daemon thread, one after another, with a per-call deadline.
+    """Runs calls in this process, each on its own daemon thread, up to ``concurrency`` at once.
 
-    The calling thread sleeps until the running call's deadline (not once per call, which would cost a
-    thread switch per sample); a call that overruns is marked ``timeout`` and its thread abandoned, and
-    a fresh thread continues with the next call. Coroutine rewards of a batch share one event loop and
-    run concurrently (an HTTP judge does not wait for the previous sample's reply), each under
-    ``asyncio.wait_for``.
+    Each call's deadline counts from its own start, so N hung calls cost about one timeout, not N. A call
+    that overruns is marked ``timeout`` and its thread abandoned (a thread cannot be killed; it keeps
+    running in the background). Coroutine rewards of a batch share one event loop and run concurrently,
+    each under ``asyncio.wait_for``. No crash isolation: a reward that calls ``os._exit`` or crashes the
+    interpreter ends this process.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, concurrency: int = 64) -> None:
+        self.concurrency = concurrency
         self.num_abandoned_threads = 0
 
     def run(self, calls: list[Call], timeout: float) -> list[Status]:
@@ -112,34 +90,45 @@ class InProcessRunner:
             ):
                 results[i] = status
         sync_idx = [i for i in range(len(calls)) if results[i] is None]
-        sync_results: list[Status | None] = [None] * len(sync_idx)
-        self._run_sync([calls[i] for i in sync_idx], timeout, sync_results)
-        for i, status in zip(sync_idx, sync_results, strict=True):
+        for i, status in zip(sync_idx, self._run_sync([calls[i] for i in sync_idx], timeout), strict=True):
             results[i] = status
         return [r if r is not None else ("error", "reward call was not run") for r in results]
 
-    def _run_sync(self, calls: list[Call], timeout: float, results: list[Status | None]) -> None:
-        start = 0
-        while start < len(calls):
-            batch = _SyncBatch(calls, start, results)
-            while True:
-                _, began = batch.current
-                if batch.done.wait(max(0.0, began + timeout - time.monotonic())):
-                    return
-                i, began = batch.current
-                if time.monotonic() < began + timeout:
-                    continue  # the thread moved on to a later call; wait for that one's deadline
-                with batch.lock:
-                    finished = results[i] is not None
-                    if not finished:
-                        batch.abandoned = True
-                        results[i] = ("timeout", None)
-                if finished:  # it completed right at the deadline; let the thread publish its next call
-                    batch.done.wait(0.001)
-                    continue
+    def _run_sync(self, calls: list[Call], timeout: float) -> list[Status]:
+        results: list[Status | None] = [None] * len(calls)
+        done: queue.SimpleQueue[tuple[int, Status]] = (
+            queue.SimpleQueue()
+        )  # per batch: late replies are dropped
+
+        def body(i: int, call: Call) -> None:
+            try:
+                status: Status = ("ok", invoke(call.fn, call.args, call.kwargs))
+            except BaseException as e:  # noqa: BLE001 - any failure of user code becomes an outcome
+                status = ("error", describe_exception(e))
+            done.put((i, status))
+
+        started: dict[int, float] = {}  # call index -> start time, for calls in flight
+        nxt = 0
+        while nxt < len(calls) or started:
+            while nxt < len(calls) and len(started) < self.concurrency:
+                started[nxt] = time.monotonic()
+                threading.Thread(
+                    target=body, args=(nxt, calls[nxt]), name="relax-reward-call", daemon=True
+                ).start()
+                nxt += 1
+            wait = min(started.values()) + timeout - time.monotonic()
+            try:
+                i, status = done.get(timeout=max(0.0, wait))
+                if started.pop(i, None) is not None:
+                    results[i] = status
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            for i in [i for i, t in started.items() if now >= t + timeout]:
+                del started[i]
+                results[i] = ("timeout", None)
                 self.num_abandoned_threads += 1
-                start = i + 1
-                break
+        return [r if r is not None else ("error", "reward call was not run") for r in results]
 
     def _run_thread(
         self, target: Callable[[], Any], timeout: float
@@ -199,67 +188,194 @@ def _warm_worker() -> None:
 
 
 _targets: dict[str, Callable[..., Any]] = {}
+_targets_lock = threading.Lock()  # calls run on threads: one loads a file, the others wait for it
 
 
 def _call_in_worker(ref: tuple[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     kind, value = ref
     if kind == "target":  # a file-loaded reward is loaded again by path in the worker
-        if value not in _targets:
-            from relax_rewards.plugins import load_custom
+        with _targets_lock:
+            if value not in _targets:
+                from relax_rewards.plugins import load_custom
 
-            _targets[value] = load_custom(value)
+                _targets[value] = load_custom(value)
         value = _targets[value]
     return invoke(value, args, kwargs)
 
 
-class ProcessPoolRunner:
-    """``num_workers`` worker processes (a ``pebble`` pool) fed one call at a time; a worker whose call
-    overruns the timeout (counted from when the worker takes the call) or that dies is killed and
-    replaced, so later calls never wait on it."""
+def _worker_main(conn: Connection) -> None:
+    """A worker process: says "ready" once warm, then runs every call it receives on its own thread and
+    sends back ``(index, status)`` as each finishes. The parent keeps the deadlines and kills the worker
+    once a call overran (its thread cannot be stopped otherwise)."""
+    _warm_worker()
+    send_lock = threading.Lock()
 
-    def __init__(self, num_workers: int, start_method: str = "spawn") -> None:
+    def run(i: int, payload: bytes) -> None:
+        try:
+            ref, args, kwargs = pickle.loads(payload)
+            status: Status = ("ok", _call_in_worker(ref, args, kwargs))
+        except BaseException as e:  # noqa: BLE001 - any failure of user code becomes an outcome
+            status = ("error", describe_exception(e))
+        with send_lock:
+            try:
+                conn.send((i, status))
+            except Exception as e:  # noqa: BLE001 - a returned value that cannot be pickled
+                conn.send(
+                    (
+                        i,
+                        (
+                            "error",
+                            f"reward returned a value that cannot be sent back: {describe_exception(e)}",
+                        ),
+                    )
+                )
+
+    conn.send("ready")
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        threading.Thread(target=run, args=msg, name="relax-reward-call", daemon=True).start()
+
+
+class _Worker:
+    def __init__(self, ctx: Any) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), name="relax-reward-worker", daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.hung = False  # a call overran: take no more calls, kill once the others are in
+        self.solo = False  # running one call alone, to learn whether it is the one that kills the process
+        self.inflight: dict[int, float] = {}  # call index -> dispatch time
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+class ProcessPoolRunner:
+    """``num_workers`` worker processes, each running up to ``concurrency`` calls at once on threads.
+
+    Each call's deadline counts from when it is handed to a warm worker, so N hung calls cost about one
+    timeout. A worker with an overrunning call takes no new calls and is killed and replaced once its
+    other calls are in. A reward that exits or crashes its process costs only its own samples: the calls
+    that were running beside it in the dead worker are run again one at a time, and the one that kills
+    its worker again scores an error.
+    """
+
+    def __init__(self, num_workers: int, start_method: str = "spawn", concurrency: int = 64) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 for a process pool, got {num_workers}")
         self.num_workers = num_workers
+        self.concurrency = concurrency
         self.ctx = multiprocessing.get_context(start_method)
         self.num_restarts = 0
-        self._pool: Any = None
+        self._workers: list[_Worker] = []
         self._pid = os.getpid()
 
-    def _ensure_started(self) -> Any:
-        from pebble import ProcessPool
-
+    def _ensure_started(self) -> None:
         if os.getpid() != self._pid:  # forked copy of a parent's executor: its workers are not ours
-            self._pool, self._pid = None, os.getpid()
-        if self._pool is None:
-            self._pool = ProcessPool(self.num_workers, initializer=_warm_worker, context=self.ctx)
-        return self._pool
+            self._workers, self._pid = [], os.getpid()
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker(self.ctx))
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self._workers.remove(w)
+        self.num_restarts += 1
+        self._workers.append(_Worker(self.ctx))
 
     def run(self, calls: list[Call], timeout: float) -> list[Status]:
-        from pebble import ProcessExpired
+        self._ensure_started()
+        results: list[Status | None] = [None] * len(calls)
+        pending = list(range(len(calls)))  # calls not yet handed out, next first
+        solo: list[int] = []  # calls that were in a worker that died beside others: rerun alone
+        while pending or solo or any(w.inflight for w in self._workers):
+            self._dispatch(calls, pending, solo, results)
+            self._collect(timeout, solo, results)
+        return [r if r is not None else ("error", "reward call was not run") for r in results]
 
-        pool = self._ensure_started()
-        futures = [pool.schedule(_call_in_worker, (c.ref, c.args, c.kwargs), timeout=timeout) for c in calls]
-        results: list[Status] = []
-        for future in futures:
+    def _dispatch(
+        self, calls: list[Call], pending: list[int], solo: list[int], results: list[Status | None]
+    ) -> None:
+        for w in self._workers:
+            if not w.ready or w.hung or w.solo:
+                continue
+            if solo and not w.inflight:
+                self._send(w, solo.pop(0), calls, results)
+                w.solo = True
+                continue
+            while pending and len(w.inflight) < self.concurrency:
+                self._send(w, pending.pop(0), calls, results)
+
+    def _send(self, w: _Worker, i: int, calls: list[Call], results: list[Status | None]) -> None:
+        c = calls[i]
+        try:
+            payload = pickle.dumps((c.ref, c.args, c.kwargs))
+        except Exception as e:  # noqa: BLE001 - arguments that cannot travel
+            results[i] = ("error", f"reward call cannot be sent to a worker process: {describe_exception(e)}")
+            return
+        w.conn.send((i, payload))
+        w.inflight[i] = time.monotonic()
+
+    def _collect(self, timeout: float, solo: list[int], results: list[Status | None]) -> None:
+        """Wait for a reply, a death or the nearest deadline, and handle whatever happened."""
+        deadlines = [t + timeout for w in self._workers for t in w.inflight.values()]
+        wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        handles = [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers]
+        multiprocessing.connection.wait(handles, wait_s)
+        for w in list(self._workers):
             try:
-                results.append(("ok", future.result()))
-            except TimeoutError:
-                self.num_restarts += 1
-                results.append(("timeout", None))
-            except ProcessExpired as e:
-                self.num_restarts += 1
-                results.append(("error", f"reward worker process died (exit code {e.exitcode})"))
-            except BaseException as e:  # noqa: BLE001 - the reward's own error, or a value that cannot travel
-                results.append(("error", describe_exception(e)))
-        return results
+                while w.conn.poll():
+                    msg = w.conn.recv()
+                    if msg == "ready":
+                        w.ready = True
+                    elif w.inflight.pop(msg[0], None) is not None:
+                        results[msg[0]] = msg[1]
+                        w.solo = False
+            except (EOFError, OSError):
+                pass  # the process is gone; its sentinel says so below
+            if not w.proc.is_alive():
+                self._buried(w, solo, results)
+                continue
+            now = time.monotonic()
+            for i in [i for i, t in w.inflight.items() if now >= t + timeout]:
+                del w.inflight[i]
+                results[i] = ("timeout", None)
+                w.hung = True
+            if w.hung and not w.inflight:
+                self._replace(w)
+
+    def _buried(self, w: _Worker, solo: list[int], results: list[Status | None]) -> None:
+        """A worker process ended on its own: attribute its in-flight calls and start a replacement."""
+        w.proc.join(5)
+        code = w.proc.exitcode
+        if not w.ready:  # it died warming up: a broken install, not a reward; do not loop restarting it
+            raise RuntimeError(f"a reward worker process exited while starting (exit code {code})")
+        if len(w.inflight) == 1:
+            (i,) = w.inflight
+            results[i] = ("error", f"reward worker process died (exit code {code})")
+        else:
+            solo.extend(sorted(w.inflight))
+        w.inflight.clear()
+        self._replace(w)
 
     def close(self) -> None:
-        if os.getpid() != self._pid or self._pool is None:
+        if os.getpid() != self._pid:
             return
-        self._pool.close()
-        self._pool.join(timeout=5)
-        if self._pool.active:
-            self._pool.stop()
-            self._pool.join()
-        self._pool = None
+        for w in self._workers:
+            if w.proc.is_alive():
+                try:
+                    w.conn.send(None)
+                except OSError:
+                    pass
+        for w in self._workers:
+            w.proc.join(5)
+            w.kill()
+        self._workers = []

@@ -18,9 +18,17 @@ class RewardConfig:
     key: str | None = None
     # options passed to the reward function as keyword arguments
     kwargs: dict[str, Any] = field(default_factory=dict)
-    # 0 scores in the calling process; >0 uses a process pool of that size
-    num_workers: int = 0
+    # >0: a process pool of that size (a reward that hangs, exits or crashes costs only its samples);
+    # 0: in the calling process (no crash isolation: a reward calling os._exit ends the run)
+    num_workers: int = 1
+    # per-call limit, counted from the call's own start; calls run concurrently, so many hung calls cost
+    # about one timeout
     timeout_s: float = 10.0
+    # calls running at once per worker process (or in this process when num_workers=0)
+    concurrency: int = 64
+    # a reward (any source: function, remote/judge, agent program) beyond ±max_abs, or not finite, is a
+    # reward error (scored 0, counted in reward/reward_error): larger values overflow the advantages
+    max_abs: float = 1e6
     # modules ("pkg.mod" or "path/to/file.py") imported first; the rewards they @register can then be
     # chosen by name, including by a sample's rm_type (which never loads code by path itself)
     plugins: list[str] = field(default_factory=list)

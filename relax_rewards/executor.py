@@ -92,6 +92,8 @@ def _config_from(cfg: Any) -> RewardConfig:
 def _validate(cfg: RewardConfig) -> None:
     if not isinstance(cfg.num_workers, int) or isinstance(cfg.num_workers, bool) or cfg.num_workers < 0:
         raise ValueError(f"reward.num_workers must be an integer >= 0, got {cfg.num_workers!r}")
+    if not isinstance(cfg.concurrency, int) or isinstance(cfg.concurrency, bool) or cfg.concurrency < 1:
+        raise ValueError(f"reward.concurrency must be an integer >= 1, got {cfg.concurrency!r}")
     if (
         not isinstance(cfg.timeout_s, int | float)
         or not cfg.timeout_s > 0
@@ -166,11 +168,16 @@ def _outcome(value: Any, key: str) -> RewardOutcome:
 class RewardExecutor:
     """Scores batches of :class:`RewardItem` with per-call timeouts and failure isolation.
 
-    ``num_workers == 0`` runs rewards in this process, one after another on a daemon thread watched
-    against a per-call deadline (an overrunning call is abandoned, not killed: it keeps its thread). ``num_workers > 0`` runs them in that many
-    worker processes; a call that overruns gets its worker killed and replaced. A per-group reward is
-    called once per (reward, ``group_id``) and the timeout covers that whole call. ``score`` is
-    thread-safe (calls are serialised).
+    The calls of a batch run concurrently (up to ``cfg.concurrency`` per process), each against its own
+    deadline of ``cfg.timeout_s`` from its start: a batch whose rewards all hang costs about one timeout.
+
+    ``num_workers > 0`` (the default) runs them in that many worker processes and isolates the run from
+    its rewards: a worker with an overrunning call is killed and replaced, and a reward that calls
+    ``os._exit`` or crashes its process (segfault) scores 0.0 with an error for its own samples only.
+    ``num_workers == 0`` runs them on daemon threads of this process (for rewards that cannot be
+    pickled, or debugging): an overrunning call is abandoned, not killed (it keeps its thread), and a
+    reward that exits or crashes ends this process. A per-group reward is called once per (reward,
+    ``group_id``) and the timeout covers that whole call. ``score`` is thread-safe (calls are serialised).
     """
 
     def __init__(self, cfg: RewardConfig) -> None:
@@ -193,7 +200,7 @@ class RewardExecutor:
                 )
         self._runner: InProcessRunner | ProcessPoolRunner
         if cfg.num_workers == 0:
-            self._runner = InProcessRunner()
+            self._runner = InProcessRunner(cfg.concurrency)
         else:
             try:
                 pickle.dumps((default.ref, default.kwargs))
@@ -202,7 +209,7 @@ class RewardExecutor:
                     f"reward {self.default_name!r} cannot be sent to worker processes ({e}); define it at module "
                     "level in an importable module, or use reward.num_workers=0"
                 ) from e
-            self._runner = ProcessPoolRunner(cfg.num_workers, cfg.start_method)
+            self._runner = ProcessPoolRunner(cfg.num_workers, cfg.start_method, cfg.concurrency)
 
     @classmethod
     def from_config(cls, cfg: RewardConfig | Mapping[str, Any] | Any) -> RewardExecutor:

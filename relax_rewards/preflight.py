@@ -4,11 +4,16 @@ message instead of scoring every sample 0.0 with a logged error.
 - a reward that needs a setting (``genrm``'s judge ``url``, ``remote``'s ``url``) has it;
 - every configured ``url`` accepts a TCP connection (a judge or reward service that is down or mistyped);
 - a reward that scores against a label has a label column: ``data.label_key`` is set and the dataset's
-  first row has it.
+  first row has it;
+- a custom reward (``reward._target_``) imports, accepts ``(response, label, metadata)`` and scores at
+  least one probe: the dataset's first rows, each answered with its own label, scored by the configured
+  runner (so a probe that hangs or exits cannot take the launcher with it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import socket
 from pathlib import Path
@@ -17,6 +22,8 @@ from urllib.parse import urlsplit
 
 from relax_rewards.config import RewardConfig
 from relax_rewards.registry import _REGISTRY
+
+NUM_PROBES = 4
 
 
 def check_reachable(url: str, key: str, timeout_s: float = 3.0) -> None:
@@ -49,6 +56,73 @@ def first_row_columns(path: str) -> set[str] | None:
     return set(row) if isinstance(row, dict) else None
 
 
+def first_rows(path: str, n: int) -> list[dict[str, Any]]:
+    """Up to ``n`` leading rows of a JSONL/Parquet dataset; [] when it cannot be read."""
+    file = Path(path).expanduser()
+    try:
+        if file.suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(file).slice(0, n).to_pylist()
+        rows = []
+        with file.open() as f:
+            for line in f:
+                if line.strip():
+                    rows.append(json.loads(line))
+                if len(rows) == n:
+                    break
+    except (OSError, ValueError):
+        return []
+    return [r for r in rows if isinstance(r, dict)]
+
+
+def _field(row: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        row = row.get(part) if isinstance(row, dict) else None
+    return row
+
+
+def check_custom_reward(cfg: RewardConfig, label_key: str | None, train_path: str | None) -> None:
+    """ValueError naming the reward and the cause when ``reward._target_`` cannot score at all."""
+    from relax_rewards.executor import RewardExecutor, RewardItem
+    from relax_rewards.plugins import is_group_reward, load_custom
+
+    target = cfg._target_
+    if not target:
+        return
+    try:
+        fn = load_custom(target)
+    except Exception as err:  # noqa: BLE001 - any import failure is the user's to fix, in one line
+        raise ValueError(f"reward._target_={target!r} cannot be loaded: {err}") from None
+    try:
+        inspect.signature(fn).bind(None, None, None, **dict(cfg.kwargs))
+    except TypeError as err:
+        raise ValueError(
+            f"reward._target_={target!r} cannot be called as {getattr(fn, '__name__', 'fn')}(response, label, "
+            f"metadata, **reward.kwargs): {err}"
+        ) from None
+    except ValueError:  # no signature to inspect (a builtin); the probes below still call it
+        pass
+    rows = first_rows(train_path, NUM_PROBES) if train_path else []
+    if not rows:
+        return  # nothing to probe with; the run counts its reward errors
+    labels = [_field(r, label_key) if label_key else None for r in rows]
+    # each probe answers with its own label: a reward that cannot score even that scores nothing
+    items = [RewardItem(f"probe{i}", str(lab), lab, {}, group_id=0) for i, lab in enumerate(labels)]
+    if not is_group_reward(fn):
+        items = [dataclasses.replace(it, group_id=i) for i, it in enumerate(items)]
+    probe_cfg = dataclasses.replace(cfg, num_workers=min(cfg.num_workers, 1))
+    with RewardExecutor(probe_cfg) as ex:
+        outcomes = ex.score(items)
+    if all(o.error is not None for o in outcomes):
+        why = outcomes[0].error.removeprefix("exception: ")
+        what = "timed out" if why == "timeout" else f"failed ({why})"
+        raise ValueError(
+            f"reward._target_={target!r} cannot score: it {what} on all {len(items)} probes "
+            f"(the first rows of {train_path}, each answered with its own label)"
+        )
+
+
 def check_reward_config(
     cfg: RewardConfig, label_key: str | None, train_path: str | None = None, probe_timeout_s: float = 3.0
 ) -> None:
@@ -61,6 +135,7 @@ def check_reward_config(
         raise ValueError(f"reward={name} needs {wanted} (e.g. reward.kwargs.url=http://host:port)")
     if kwargs.get("url"):
         check_reachable(str(kwargs["url"]), "reward.kwargs.url", probe_timeout_s)
+    check_custom_reward(cfg, label_key, train_path)
     if entry is None or not entry.needs_label:
         return
     if not label_key:

@@ -100,7 +100,7 @@ class AgentProgramRollout:
         sampling = SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
         )
-        self.store = TrajectoryStore(open_sessions_only=True)
+        self.store = TrajectoryStore(open_sessions_only=True, max_abs=cfg.reward.max_abs)
         self.board = EpisodeBoard(self.store, self._is_live)
         app = build_app(
             PoolEngine(pool),

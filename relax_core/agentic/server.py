@@ -35,13 +35,15 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from relax_core.agentic.formatting import continuation_text, render_messages
 from relax_core.agentic.tools import message_key, parse_tool_calls
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from relax_core.health import mark_reward_error, reward_problem
+from relax_core.http_auth import check_temperature, guard
 from relax_core.samples import PromptRecord, Sample, SampleStatus
 
 FINISH_STATUS = {
@@ -113,7 +115,9 @@ class ChatRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    temperature: Annotated[float | None, AfterValidator(check_temperature)] = Field(
+        default=None, ge=0.0, allow_inf_nan=False
+    )
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = 1
     user: str | None = None
@@ -126,10 +130,12 @@ class ChatRequest(BaseModel):
 
 
 class RewardRequest(BaseModel):
-    reward: float
+    # NaN/Infinity (which JSON parsers accept) get a 422 naming the field; a finite value beyond
+    # reward.max_abs is accepted and scored as a reward error (TrajectoryStore.finish)
+    reward: float = Field(allow_inf_nan=False)
     group_id: int | None = None
     # numbers logged as ``reward/<name>`` step metrics (e.g. accuracy, tool calls)
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, Annotated[float, Field(allow_inf_nan=False)]] = Field(default_factory=dict)
 
 
 class Generates(Protocol):
@@ -206,9 +212,10 @@ class TrajectoryStore:
     ``open_sessions_only``: serve only sessions opened by :meth:`open` (a training run's episodes).
     """
 
-    def __init__(self, open_sessions_only: bool = False) -> None:
+    def __init__(self, open_sessions_only: bool = False, max_abs: float = 1e6) -> None:
         self._changed = threading.Condition()
         self.open_sessions_only = open_sessions_only
+        self.max_abs = max_abs  # reward.max_abs: a reported reward beyond it is a reward error
         self.live: dict[str, Trajectory] = {}
         self.finished: list[Sample] = []
         self._groups = itertools.count()
@@ -238,7 +245,11 @@ class TrajectoryStore:
                 traj.group_id = next(self._groups) if group_id is None else group_id
                 traj.index_in_group = sum(1 for s in self.finished if s.group_id == traj.group_id)
             extras = {"agent_failed": 0.0} | {k: float(v) for k, v in (metrics or {}).items()}
-            return self._close(traj, float(reward), extras)
+            sample = self._close(traj, float(reward), extras | {"reward_error": 0.0})
+            problem = reward_problem(float(reward), self.max_abs)
+            if problem is not None:
+                mark_reward_error(sample, f"agent program: {problem}")
+            return sample
 
     def fail(self, session_id: str, reason: str, keep_mask: bool = False) -> Sample | None:
         """Close a session as FAILED (reward 0; loss mask zeroed unless ``keep_mask``); None if not open."""
@@ -442,7 +453,8 @@ def build_app(
     from fastapi import FastAPI, Header, HTTPException
     from fastapi.responses import StreamingResponse
 
-    app = FastAPI(title="Relax policy (OpenAI-compatible)")
+    # NaN/Infinity in a body and deep nesting get a 4xx naming the cause, never a 500
+    app = guard(FastAPI(title="Relax policy (OpenAI-compatible)"))
     batcher = RequestBatcher(engine)
     eos_id = tokenizer.eos_token_id
 

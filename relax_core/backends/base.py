@@ -6,6 +6,7 @@ losses, aggregation) comes from :mod:`relax_core.algorithms` so every backend tr
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -45,6 +46,16 @@ def accumulate_gradients(
     out = {k: v / len(micro_batches) for k, v in sums.items()}
     out["loss"] = sums["loss"]
     return out
+
+
+# a step's count of optimizer updates skipped because their loss or gradient norm was not finite
+SKIPPED_STEPS = "train/skipped_steps"
+
+
+def update_is_finite(loss: float, grad_norm: float) -> bool:
+    """Whether an optimizer update may be applied: a NaN/inf loss or gradient norm would spread NaN into
+    every weight (the backends then zero the gradients and skip the step, counted in ``SKIPPED_STEPS``)."""
+    return math.isfinite(loss) and math.isfinite(grad_norm)
 
 
 def rank_slice(batch: TrainBatch, rank: int, ranks: int) -> TrainBatch:
@@ -125,6 +136,15 @@ class TrainingBackend(abc.ABC):
 
     def onload(self) -> None:
         """Undo :meth:`offload` before the next forward or optimizer step."""
+
+    def nonfinite_weights(self) -> list[str]:
+        """Names of this rank's parameters (its shards) holding NaN or inf."""
+        bad = []
+        for name, p in self.model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p  # an FSDP DTensor: this rank's shard
+            if not bool(torch.isfinite(local.detach()).all()):
+                bad.append(name)
+        return bad
 
     @abc.abstractmethod
     def reset_optimizer(self, lr: float) -> None:

@@ -109,12 +109,10 @@ class FSDPBackend(TorchBackend):
         local = rank_slice(batch, self.rank, self.ranks)
         out = accumulate_gradients(local, self._logprobs_entropy, loss_fn, micro_batch_size, self.ranks)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
+        # reduced before deciding: every rank sees the global loss and norm, so all skip or all step
         out = reduce_metrics(out, self.device)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-        out.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
-        return out
+        return self._apply_update(out, float(grad_norm))
 
     def sum_over_ranks(self, values: list[float]) -> list[float]:
         summed = torch.tensor(values, dtype=torch.float64, device=self.device)

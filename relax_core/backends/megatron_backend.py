@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
 from relax_core.backends.base import (
+    SKIPPED_STEPS,
     LossFn,
     TrainingBackend,
     accumulate_gradients,
@@ -43,6 +44,7 @@ from relax_core.backends.base import (
     pad_to_width,
     rank_slice,
     reduce_metrics,
+    update_is_finite,
 )
 from relax_core.backends.schedule import lr_multiplier
 from relax_core.backends.torch_backend import rng_state, set_rng_state
@@ -253,17 +255,34 @@ class MegatronBackend(TrainingBackend):
         if self._megatron_optimizer():  # pragma: no cover - needs CUDA
             for group in self.optimizer.param_groups:
                 group["lr"] = self._lr()
-            _, grad_norm, _ = self.optimizer.step()
-            out.update(grad_norm=float(grad_norm or 0.0), lr=self._lr())
-            self._steps += 1
+            # the optimizer clips inside step(), so only the (reduced) loss can be checked before it; it
+            # reports an update it skipped itself (inf/NaN gradients) as not successful
+            applied, grad_norm = False, float("nan")
+            if update_is_finite(out["loss"], 0.0):
+                applied, grad_norm, _ = self.optimizer.step()
+                grad_norm = float(grad_norm if grad_norm is not None else 0.0)
+            skipped = not (applied and update_is_finite(out["loss"], grad_norm))
+            if skipped:
+                self._ddp.zero_grad_buffer()
+                self.optimizer.zero_grad()
+            else:
+                self._steps += 1
+            out.update(grad_norm=grad_norm, lr=self._lr())
+            out[SKIPPED_STEPS] = float(skipped)
             return out
         main_grads_to_grads(self.model, self._main)
         grad_norm = self._clip_grads()
-        self.optimizer.step()
-        self._main_to_model()
-        self.scheduler.step()
-        self._steps += 1
+        skipped = not update_is_finite(out["loss"], grad_norm)
+        if skipped:  # the norm is global (TP/EP-reduced) and the loss DP-reduced: every rank skips alike
+            self._ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        else:
+            self.optimizer.step()
+            self._main_to_model()
+            self.scheduler.step()
+            self._steps += 1
         out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0])
+        out[SKIPPED_STEPS] = float(skipped)
         return out
 
     def _accumulate(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:

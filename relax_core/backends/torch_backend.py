@@ -12,11 +12,13 @@ import torch
 
 from relax_core.algorithms.logprobs import response_logprobs_and_entropy, token_logprobs_and_entropy
 from relax_core.backends.base import (
+    SKIPPED_STEPS,
     LossFn,
     TrainingBackend,
     accumulate_gradients,
     batch_to_device,
     pad_to_width,
+    update_is_finite,
 )
 from relax_core.backends.schedule import lr_multiplier
 from relax_core.backends.shared_prompts import prompt_groups, shared_prompt_logits
@@ -158,9 +160,19 @@ class TorchBackend(TrainingBackend):
         self.optimizer.zero_grad(set_to_none=True)
         out = accumulate_gradients(batch, self._logprobs_entropy, loss_fn, micro_batch_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        out.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        return self._apply_update(out, float(grad_norm))
+
+    def _apply_update(self, out: dict[str, float], grad_norm: float) -> dict[str, float]:
+        """The optimizer and scheduler step, or, for a non-finite loss or gradient norm, none: the
+        gradients are dropped and the skip counted (``out`` holds the batch's loss)."""
+        skipped = not update_is_finite(out["loss"], grad_norm)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+        out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0])
+        out[SKIPPED_STEPS] = float(skipped)
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:

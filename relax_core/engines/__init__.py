@@ -21,7 +21,8 @@ def build_engine(
     if engine_url:
         from relax_core.engines.client import HttpEngine
 
-        return HttpEngine(engine_url, base_model_path=model_path)
+        tokens = rollout_cfg.engine_tokens if rollout_cfg is not None else {}
+        return HttpEngine(engine_url, base_model_path=model_path, token=tokens.get(engine_url.rstrip("/")))
     if name == "torch":
         from transformers import AutoConfig
 

@@ -29,6 +29,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # samples per request sharing one prefill
     n: int = 1
+    # sampled evaluation: the torch engine draws from a stream seeded with this, and its training stream
+    # continues afterwards where it was (relax_core/roles/rollout.py); null: the engine's own stream
+    seed: int | None = None
 
     @property
     def greedy(self) -> bool:

@@ -24,28 +24,29 @@ import argparse
 import asyncio
 import logging
 import os
+import stat
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, HTTPException
-from pydantic import BaseModel, Field
+from fastapi import FastAPI, HTTPException
+from pydantic import AfterValidator, BaseModel, Field
 
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.errors import RelaxUserError
-from relax_core.http_auth import bearer_auth, check_security
+from relax_core.http_auth import check_security, check_temperature, guard
 
 log = logging.getLogger("relax.engine_server")
 
 
 class SamplingBody(BaseModel):
     max_new_tokens: int = Field(16, ge=0)
-    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    temperature: Annotated[float, AfterValidator(check_temperature)] = Field(1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = -1
+    top_k: int = Field(-1, ge=-1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -84,6 +85,11 @@ class ServerLimits:
     max_samples: int | None = None  # prompts x n in one request
     kv_budget_bytes: int | None = None  # KV cache the engine may hold; a request needing more is refused
     kv_bytes_per_token: int = 0  # K and V of one position of one sample, all layers
+    # the engine matches every stop string against each new token: many or long ones slow every request
+    max_stop_strings: int = 256
+    max_stop_chars: int = 1024  # per stop string
+    max_stop_token_ids: int = 1024
+    max_body_bytes: int = 16 * 2**20  # a bigger request body gets 413 before it is parsed
 
     @classmethod
     def of(cls, engine: Any, kv_cache_gb: float | None = None) -> ServerLimits:
@@ -108,6 +114,31 @@ class ServerLimits:
             kv_budget_bytes=int(kv_cache_gb * 2**30),
             kv_bytes_per_token=2 * cfg.num_hidden_layers * kv_heads * head_dim * element,
         )
+
+    def check_stops(self, sp: SamplingBody) -> None:
+        """HTTP 422 naming the stop field beyond its limit or outside the vocabulary."""
+        stops = [sp.stop] if isinstance(sp.stop, str) else sp.stop or []
+        if len(stops) > self.max_stop_strings:
+            raise HTTPException(
+                422,
+                f"sampling_params.stop has {len(stops)} strings, over the limit of {self.max_stop_strings}",
+            )
+        if any(len(s) > self.max_stop_chars for s in stops):
+            raise HTTPException(
+                422, f"a sampling_params.stop string is longer than the limit of {self.max_stop_chars} chars"
+            )
+        ids = sp.stop_token_ids or []
+        if len(ids) > self.max_stop_token_ids:
+            raise HTTPException(
+                422,
+                f"sampling_params.stop_token_ids has {len(ids)} ids, over the limit of {self.max_stop_token_ids}",
+            )
+        bad = [t for t in ids if not 0 <= t < (self.vocab_size if self.vocab_size is not None else 2**63)]
+        if bad:
+            raise HTTPException(
+                422,
+                f"sampling_params.stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+            )
 
     def check(self, prompts: list[list[int]], max_new_tokens: int, n: int) -> None:
         """HTTP 400 naming the first limit the request breaks."""
@@ -140,17 +171,38 @@ class ServerLimits:
             )
 
 
-def load_checked_weights(engine: Any, folder: Path) -> dict[str, Any]:
-    """The ``*.safetensors`` tensors of ``folder``, refused unless each names a parameter of the engine's
-    model with its shape, and every parameter is given (a tied copy may be left out)."""
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
+def regular_files(folder: Path, allowed: list[Path]) -> list[Path]:
+    """The resolved ``*.safetensors`` files of ``folder``, refused (ValueError) unless each is a regular file
+    inside ``allowed``: a symlink out of it, or a FIFO that would block the reader, is never opened."""
+    files = []
+    for f in sorted(folder.glob("*.safetensors")):
+        real = f.resolve()
+        if not any(real.is_relative_to(a.resolve()) for a in allowed):
+            raise ValueError(f"{f.name} links to {real}, outside the folders weights load from")
+        if not stat.S_ISREG(real.stat().st_mode):
+            raise ValueError(f"{f.name} is not a regular file")
+        files.append(real)
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
+    return files
+
+
+def load_checked_weights(engine: Any, folder: Path, allowed: list[Path] | None = None) -> dict[str, Any]:
+    """The ``*.safetensors`` tensors of ``folder`` (regular files inside ``allowed``, default ``folder``),
+    refused unless each names a parameter of the engine's model with its shape and kind of dtype, holds only
+    finite numbers, and every parameter is given (a tied copy may be left out)."""
+    import torch
+    from safetensors.torch import load_file
+
     state: dict[str, Any] = {}
-    for f in files:
-        state.update(load_file(str(f)))
+    origin: dict[str, str] = {}
+    for f in regular_files(folder, allowed or [folder]):
+        try:
+            tensors = load_file(str(f))
+        except Exception as exc:  # safetensors' own error type for a truncated or corrupt header
+            raise ValueError(f"{f.name} is not a readable safetensors file: {exc}") from exc
+        state.update(tensors)
+        origin.update(dict.fromkeys(tensors, f.name))
     expected = engine.model.state_dict()
     unknown = sorted(set(state) - set(expected))
     if unknown:
@@ -162,6 +214,18 @@ def load_checked_weights(engine: Any, folder: Path) -> dict[str, Any]:
     ]
     if wrong:
         raise ValueError(f"shape mismatch: {wrong[:5]}")
+    # a float parameter may arrive in another float precision; anything else must match exactly
+    kinds = [
+        f"{origin[k]}: {k} is {v.dtype}, the model's is {expected[k].dtype}"
+        for k, v in state.items()
+        if v.dtype != expected[k].dtype
+        and not (v.dtype.is_floating_point and expected[k].dtype.is_floating_point)
+    ]
+    if kinds:
+        raise ValueError(f"dtype mismatch: {kinds[:5]}")
+    bad = [k for k, v in state.items() if v.dtype.is_floating_point and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ValueError(f"non-finite values (NaN or inf) in {origin[bad[0]]}: {bad[:5]}")
     given = {expected[k].data_ptr() for k in state}
     missing = sorted(k for k, v in expected.items() if k not in state and v.data_ptr() not in given)
     if missing:
@@ -236,9 +300,7 @@ def create_app(
     """
     limits = limits or ServerLimits.of(engine)
     allowed = [Path(d) for d in (weights_dirs or [os.getcwd()])]
-    app = FastAPI(
-        title="Relax rollout engine (SGLang-compatible)", dependencies=[Depends(bearer_auth(token))]
-    )
+    app = guard(FastAPI(title="Relax rollout engine (SGLang-compatible)"), token, limits.max_body_bytes)
     loop = EngineLoop(engine, limits.kv_budget_bytes)
     app.state.loop = loop
     app.state.engine = engine
@@ -278,7 +340,8 @@ def create_app(
             )
         try:
             if hasattr(engine, "model"):
-                engine.update_weights(load_checked_weights(engine, Path(body.model_path)), version)
+                state = load_checked_weights(engine, Path(body.model_path).resolve(), allowed)
+                engine.update_weights(state, version)
             else:
                 engine.update_weights_from_disk(body.model_path, version)
         except (ValueError, OSError, RuntimeError) as exc:
@@ -312,6 +375,7 @@ def create_app(
     async def generate(body: GenerateBody) -> Any:
         if body.input_ids is None and body.text is None:
             raise HTTPException(400, "give text or input_ids")
+        limits.check_stops(body.sampling_params)
         batched = isinstance(body.input_ids, list) and body.input_ids and isinstance(body.input_ids[0], list)
         if body.input_ids is not None:
             prompts = body.input_ids if batched else [body.input_ids]
@@ -320,7 +384,8 @@ def create_app(
                 raise HTTPException(400, "this server has no tokenizer: send input_ids")
             texts = body.text if isinstance(body.text, list) else [body.text]
             batched = isinstance(body.text, list)
-            prompts = [tokenizer(t).input_ids for t in texts]
+            # megabytes of text take a while to tokenise: off the event loop, which serves everyone
+            prompts = await asyncio.to_thread(lambda: [tokenizer(t).input_ids for t in texts])
         if not prompts or any(not p for p in prompts):
             raise HTTPException(400, "empty prompt")
         if isinstance(body.rid, list) and len(body.rid) != len(prompts):
@@ -332,7 +397,8 @@ def create_app(
             max_new_tokens=sp.max_new_tokens,
             temperature=sp.temperature,
             top_p=sp.top_p,
-            top_k=sp.top_k,
+            # a top_k beyond the vocabulary keeps every token: -1 says so without a huge int
+            top_k=sp.top_k if limits.vocab_size is None or sp.top_k < limits.vocab_size else -1,
             stop_token_ids=list(sp.stop_token_ids or []),
             stop_strings=stop,
             ignore_eos=sp.ignore_eos,
@@ -480,6 +546,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--kv-cache-gb", type=float, default=None, help="KV cache limit (default: a quarter of the memory)"
     )
+    parser.add_argument(
+        "--max-request-mb", type=float, default=16, help="request body limit (bigger ones get 413)"
+    )
+    parser.add_argument(
+        "--max-stop-strings", type=int, default=256, help="stop strings one request may give (more: 422)"
+    )
     args = parser.parse_args(argv)
     try:
         check_security(args.host, args.token, "--host", "--token (or RELAX_ENGINE_TOKEN)")
@@ -495,6 +567,8 @@ def main(argv: list[str] | None = None) -> None:
     except RelaxUserError as err:
         sys.exit(f"error: {err}")
     limits = ServerLimits.of(engine, args.kv_cache_gb)
+    limits.max_body_bytes = int(args.max_request_mb * 2**20)
+    limits.max_stop_strings = args.max_stop_strings
     app = create_app(engine, tokenizer, args.model, args.weights_dir, args.token, limits)
     log.info("serving %s on http://%s:%d", args.model, args.host, args.port)
     serve(app, engine, args.host, args.port)

@@ -16,6 +16,7 @@ from typing import Any
 
 from relax_core.algorithms.spec import Requirements
 from relax_core.data import PromptStream
+from relax_core.engines.base import SamplingParams
 from relax_core.placement import actor_world_size
 from relax_core.ray_groups import RoleGroup
 from relax_core.samples import PromptRecord, Sample
@@ -76,17 +77,20 @@ class Mode(abc.ABC):
         """Kill every role group and release placement groups and buses."""
 
     @abc.abstractmethod
-    def generate(self, prompts: list[PromptRecord], greedy: bool = False) -> list[Sample]:
-        """Scored samples of ``prompts`` from the rollout engines (evaluation uses ``greedy``)."""
+    def generate(
+        self, prompts: list[PromptRecord], greedy: bool = False, sampling: SamplingParams | None = None
+    ) -> list[Sample]:
+        """Scored samples of ``prompts`` from the rollout engines (evaluation uses ``greedy``, or its own
+        ``sampling`` with a seed, which leaves the training sampling stream untouched)."""
 
     @abc.abstractmethod
     def publish(self, version: int) -> None:
         """Blocking: every weight consumer holds policy version ``version``."""
 
     @abc.abstractmethod
-    def steps(self, first: int, evaluate: Callable[[], StepMetrics]) -> Iterator[tuple[int, StepMetrics]]:
+    def steps(self, first: int, evaluate: Callable[[int], StepMetrics]) -> Iterator[tuple[int, StepMetrics]]:
         """Run RL steps ``first``..``trainer.total_steps``; yield ``(step, metrics)`` in order. ``evaluate``
-        is called by modes that must evaluate at a point of their own schedule (async)."""
+        (of a step) is called by modes that must evaluate at a point of their own schedule (async)."""
 
     def replaced(self, role: str, index: int, handle: Any) -> None:
         """A replica of ``role`` was restarted in place: bring it to the weights it held (modes add the
@@ -123,6 +127,9 @@ def split_evenly(items: list, parts: int) -> list[list]:
     return chunks
 
 
+ERROR_EXAMPLE = "reward/error_example"
+
+
 def reward_metrics(samples: list[Sample], prefix: str = "reward") -> StepMetrics:
     import torch
 
@@ -131,6 +138,11 @@ def reward_metrics(samples: list[Sample], prefix: str = "reward") -> StepMetrics
     extra_keys = {k for s in samples for k in s.reward_extras}
     for key in sorted(extra_keys):
         out[f"{prefix}/{key}"] = sum(s.reward_extras.get(key, 0.0) for s in samples) / len(samples)
+    failed = [s for s in samples if s.reward_extras.get("reward_error")]
+    out[f"{prefix}/errors"] = float(len(failed))
+    example = next((s for s in failed if (s.metadata or {}).get("reward_error")), None)
+    if example is not None:  # a string the run loop takes out before logging (TrainingGuard quotes it)
+        out[ERROR_EXAMPLE] = f"sample {example.uid}: {example.metadata['reward_error']}"
     return out
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from relax_core import handles
 from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynamic_sampling, critic_warming_up
 from relax_core.algorithms.spec import needs_old_logprobs
+from relax_core.engines.base import SamplingParams
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
 from relax_core.placement import actor_world_size, colocate_bundles, helper_ranks, rank_envs, reserve
 from relax_core.ray_groups import RoleGroup, SharedProcesses
@@ -158,10 +159,12 @@ class ColocateMode(Mode):
     def publish(self, version: int) -> None:
         self.roles.rollout.push_weights(version)
 
-    def generate(self, prompts: list[PromptRecord], greedy: bool = False) -> list[Sample]:
-        if self.agent is not None:  # the agent program plays them through the endpoint
+    def generate(
+        self, prompts: list[PromptRecord], greedy: bool = False, sampling: SamplingParams | None = None
+    ) -> list[Sample]:
+        if self.agent is not None:  # the agent program plays them through the endpoint (greedy or not)
             return self.agent.generate(prompts, greedy)
-        return self.roles.rollout.generate(prompts, greedy)
+        return self.roles.rollout.generate(prompts, greedy, sampling)
 
     # ------------------------------------------------------------------ one step
     def collect(self) -> list[Sample]:
@@ -243,7 +246,7 @@ class ColocateMode(Mode):
             metrics |= self.agent.metrics()
         return metrics
 
-    def steps(self, first: int, evaluate: Callable[[], StepMetrics]) -> Iterator[tuple[int, StepMetrics]]:
+    def steps(self, first: int, evaluate: Callable[[int], StepMetrics]) -> Iterator[tuple[int, StepMetrics]]:
         for step in range(first, self.cfg.trainer.total_steps + 1):
             yield step, self.health.run_step(step, self.train_step, self.ctx.stream)
 

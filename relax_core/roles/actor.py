@@ -13,8 +13,10 @@ from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, critic_warming_up
 from relax_core.algorithms.masked import masked_mean
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
 from relax_core.backends import build_backend
+from relax_core.backends.base import SKIPPED_STEPS
 from relax_core.databus import DataBus, PartitionCancelled, partition_name, sample_key
 from relax_core.databus.stages import MicroStream, score_stage
+from relax_core.health import RunFailedError
 from relax_core.placement import data_parallel_size
 from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
@@ -39,6 +41,13 @@ def staleness_metrics(versions: list[int], trained_version: int) -> dict[str, fl
         "staleness/mean": sum(lags) / len(lags),
         "staleness/max": float(max(lags)),
     }
+
+
+def per_update(sums: dict[str, float], updates: int) -> dict[str, float]:
+    """Metrics summed over a step's ``updates`` optimizer updates -> their means; skipped updates stay a
+    count (``train/skipped_steps``)."""
+    out = {k: v if k == SKIPPED_STEPS else v / updates for k, v in sums.items()}
+    return out | {"optimizer_steps": float(updates)}
 
 
 class Actor(WeightSource, WeightReceiver):
@@ -116,7 +125,7 @@ class Actor(WeightSource, WeightReceiver):
                 for k, v in self.backend.train_step(mini, loss_fn, trainer.micro_batch_size).items():
                     metrics[k] = metrics.get(k, 0.0) + v
                 updates += 1
-        return {k: v / updates for k, v in metrics.items()} | {"optimizer_steps": float(updates)}
+        return per_update(metrics, updates)
 
     def train_from_bus(self, step: int, total: int, need: list[str], extras: list[str]) -> dict[str, float]:
         """mode=async: :meth:`train` on step ``step``'s rows as they land on the bus (micro-batches stream
@@ -154,7 +163,7 @@ class Actor(WeightSource, WeightReceiver):
             # after an update the scheduler must know this step is half-trained (restart from a checkpoint)
             return {"cancelled": 1.0, "optimizer_steps": float(updates)}
         self.weights_snapshot(step)
-        metrics = {k: v / updates for k, v in sums.items()} | {"optimizer_steps": float(updates)}
+        metrics = per_update(sums, updates)
         metrics |= staleness_metrics(self._from_every_rank(versions), step - 1)
         metrics["time/actor_data_wait_s"] = wait_s
         metrics["time/actor_busy_s"] = time.perf_counter() - t0 - wait_s
@@ -198,10 +207,28 @@ class Actor(WeightSource, WeightReceiver):
         return weights if self.rank == 0 else {}
 
     def save_checkpoint(self, path: str) -> None:
+        self.check_finite_weights(path)
         self.backend.save_checkpoint(path)
 
     def load_checkpoint(self, path: str) -> None:
         self.backend.load_checkpoint(path)
 
     def export_hf(self, path: str) -> None:
+        self.check_finite_weights(path)
         self.backend.export_hf(path)
+
+    def check_finite_weights(self, path: str) -> None:
+        """Refuse to write ``path`` from NaN/inf weights (collective: every rank counts its shards, so all
+        ranks raise together)."""
+        bad = self.backend.nonfinite_weights()
+        count = len(bad)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            total = torch.tensor([count], device=getattr(self.backend, "device", None))
+            dist.all_reduce(total)
+            count = int(total.item())
+        if count:
+            example = f" (e.g. {bad[0]!r})" if bad else ""
+            raise RunFailedError(
+                f"not writing {path}: {count} policy weight tensor(s) hold NaN or inf{example}; "
+                "the run's training diverged"
+            )

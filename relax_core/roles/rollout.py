@@ -15,6 +15,7 @@ from relax_core.databus.stages import prompt_groups
 from relax_core.engines import build_engine
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.engines.resumable import ResumableEngine
+from relax_core.health import mark_reward_error, reward_problem
 from relax_core.multimodal import MediaPrompts
 from relax_core.roles import use_threads
 from relax_core.samples import PromptRecord, Sample, SampleStatus
@@ -81,13 +82,23 @@ class Rollout(WeightReceiver):
             n=1 if greedy else r.n_samples_per_prompt,
         )
 
-    def generate(self, prompts: list[PromptRecord], greedy: bool = False) -> list[Sample]:
-        """``n_samples_per_prompt`` scored samples per prompt (one when greedy); group id = prompt index."""
-        sampling = self._sampling(greedy)
+    def generate(
+        self, prompts: list[PromptRecord], greedy: bool = False, sampling: SamplingParams | None = None
+    ) -> list[Sample]:
+        """``n_samples_per_prompt`` scored samples per prompt (one when greedy), or as ``sampling`` (an
+        evaluation's) says; group id = prompt index."""
+        if sampling is not None and sampling.seed is not None:
+            return self._generate_seeded(prompts, sampling)
+        sampling = sampling or self._sampling(greedy)
         if self.media is not None:
             prompts = self.media.materialize(prompts)
-        if self.multi_turn is not None:
-            return self.multi_turn.generate(self.engine, prompts, sampling, self.score)
+        if self.multi_turn is not None:  # environments report rewards themselves: checked like any other
+            samples = self.multi_turn.generate(self.engine, prompts, sampling, self.score)
+            for s in samples:
+                problem = reward_problem(float(s.reward), self.cfg.reward.max_abs)
+                if problem is not None:
+                    mark_reward_error(s, f"environment: {problem}")
+            return samples
         requests = [GenerationRequest(p.prompt_ids, str(p.index), p.multimodal_inputs) for p in prompts]
         results = self.engine.generate(requests, sampling)
         samples = []
@@ -112,6 +123,18 @@ class Rollout(WeightReceiver):
         self.score(samples)
         return samples
 
+    def _generate_seeded(self, prompts: list[PromptRecord], sampling: SamplingParams) -> list[Sample]:
+        """Sampled evaluation on its own seed: the training draws after it are those a run without it
+        makes (the engine's generator and torch's global RNG are put back)."""
+        saved = self.rng_state()
+        generator = getattr(self.engine, "generator", None)
+        if generator is not None:
+            generator.manual_seed(sampling.seed)
+        try:
+            return self.generate(prompts, sampling=replace(sampling, seed=None))
+        finally:
+            self.set_rng_state(saved)
+
     def complete(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
         """Raw continuations of token-level requests, unscored (the agent endpoint's calls)."""
         return self.engine.generate(requests, sampling)
@@ -122,7 +145,10 @@ class Rollout(WeightReceiver):
         for sample, outcome in zip(samples, self.rewards.score(items), strict=True):
             sample.reward = outcome.reward
             sample.reward_extras = dict(outcome.extras)
-            sample.reward_extras["reward_error"] = float(outcome.error is not None)
+            sample.reward_extras["reward_error"] = 0.0
+            error = outcome.error or reward_problem(outcome.reward, self.cfg.reward.max_abs)
+            if error is not None:
+                mark_reward_error(sample, error)
 
     def produce(self, step: int, prompts: list, slots: list[int], last_round: bool = True) -> dict[str, Any]:
         """Generate and score ``prompts`` chunk by chunk, writing whole prompt groups into the step's group

@@ -142,3 +142,24 @@ def test_plain_rendering_matches_how_the_model_ends_turns(tokenizer):
         ],
     )
     assert text == "q\na<eos>t\n"
+
+
+def test_agent_endpoint_rejects_non_finite_rewards_and_counts_out_of_range_ones(engine, tokenizer):
+    store = TrajectoryStore(max_abs=100.0)
+    app = build_app(engine, tokenizer, SamplingParams(max_new_tokens=2), store)
+    with AgentServer(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        for sid in ("a", "b", "c"):
+            chat = {"messages": [{"role": "user", "content": "1+1"}], "user": sid}
+            assert client.post("/v1/chat/completions", json=chat).status_code == 200
+        for body in ('{"reward": NaN}', '{"reward": Infinity}', '{"reward": 1, "metrics": {"x": -Infinity}}'):
+            r = client.post(
+                "/v1/sessions/a/reward", content=body, headers={"content-type": "application/json"}
+            )
+            assert r.status_code == 422 and ("reward" in r.text or "metrics" in r.text), r.text
+        assert client.post("/v1/sessions/b/reward", json={"reward": 1e39}).status_code == 200
+        assert client.post("/v1/sessions/c/reward", json={"reward": 0.5}).status_code == 200
+    done = {s.metadata["session_id"]: s for s in store.finished}
+    assert set(done) == {"b", "c"}  # "a" stays open: its reports were refused
+    assert done["b"].reward == 0.0 and done["b"].reward_extras["reward_error"] == 1.0
+    assert "reward.max_abs=100" in done["b"].metadata["reward_error"]
+    assert done["c"].reward == 0.5 and done["c"].reward_extras["reward_error"] == 0.0

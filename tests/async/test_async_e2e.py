@@ -63,9 +63,18 @@ def test_async_run_with_every_role_logs_staleness(tmp_path: Path) -> None:
             "algorithm.kl_loss_coef=0.01",
             "trainer.global_batch_size=8",
             "trainer.total_steps=6",
+            "trainer.eval_every=2",
+            "eval.sets.heldout.n_samples=0",
         )
     )
     assert "actor_fwdx1" in output and "referencex1" in output
+    # each evaluation answers on the weights of the step it names, one version for all its prompts
+    evals = [
+        (r["step"], r["eval/weight_version_min"], r["eval/weight_version_max"])
+        for r in metrics(out)
+        if "eval/accuracy" in r
+    ]
+    assert evals == [(s, s, s) for s in (0, 2, 4, 6)]
     steps = [r for r in metrics(out) if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     for r in steps:

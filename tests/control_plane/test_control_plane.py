@@ -191,3 +191,65 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+class _RecordingPool:
+    """Stands in for the run's rollout pool (a Ray cluster) only to record what the control plane asks."""
+
+    def __init__(self) -> None:
+        from relax_core.config import RelaxConfig
+
+        self.cfg = RelaxConfig()
+        self.calls: list[tuple] = []
+
+    def scale_out(self, *args):
+        from relax_core.rollout_pool import ScaleError
+
+        self.calls.append(args)
+        raise ScaleError(409, "recorded")
+
+
+def test_edge_numbers_start_nothing_and_engine_tokens_reach_the_client(tiny_model_dir, tokenizer) -> None:
+    from relax_core.engines import build_engine
+    from relax_core.engines.http_server import create_app as engine_app
+    from relax_core.engines.torch_engine import TorchEngine
+    from relax_models.loader import load_causal_lm
+
+    pool = _RecordingPool()
+    server = ServerThread(create_app(lambda: pool, lambda: {}))
+    engine_srv = ServerThread(
+        engine_app(
+            TorchEngine(
+                load_causal_lm(str(tiny_model_dir)), tokenizer.pad_token_id, [tokenizer.eos_token_id]
+            ),
+            tokenizer,
+            token="e-tok",
+        )
+    )
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            for edge in ("NaN", "Infinity", "-Infinity", "1e999"):
+                body = '{"num_replicas": 2, "timeout_secs": ' + edge + "}"
+                reply = http.post(
+                    "/rollout/scale_out", content=body, headers={"content-type": "application/json"}
+                )
+                assert reply.status_code == 422 and "timeout_secs" in reply.text, (edge, reply.text)
+                body = '{"num_replicas": 1, "timeout_secs": ' + edge + "}"
+                reply = http.post(
+                    "/rollout/scale_in", content=body, headers={"content-type": "application/json"}
+                )
+                assert reply.status_code == 422 and "timeout_secs" in reply.text, (edge, reply.text)
+            assert pool.calls == []  # nothing started
+            join = {"engine_urls": [engine_srv.url + "/"], "engine_tokens": {engine_srv.url: "e-tok"}}
+            assert http.post("/rollout/scale_out", json=join).status_code == 409
+        assert pool.cfg.rollout.engine_tokens == {engine_srv.url: "e-tok"}
+        client = build_engine(
+            "torch", str(tiny_model_dir), tokenizer, None, 0, pool.cfg.rollout, engine_srv.url
+        )
+        assert client.health()  # the engine's token went with the client
+        assert not build_engine(
+            "torch", str(tiny_model_dir), tokenizer, None, 0, None, engine_srv.url
+        ).health()
+    finally:
+        server.stop()
+        engine_srv.stop()

@@ -167,6 +167,22 @@ def test_on_error_skip_drops_and_counts_malformed_rows(tmp_path: Path, tokenizer
         load_prompts(str(all_bad), cfg(on_error="skip"), tokenizer)
 
 
+def test_bad_bytes_and_bad_json_lines_name_the_line_and_are_skipped_under_skip(
+    tmp_path: Path, tokenizer
+) -> None:
+    path = tmp_path / "bytes.jsonl"
+    good = [json.dumps(r).encode() for r in ROWS[:2]]
+    path.write_bytes(
+        b"\n".join([good[0], b'{"prompt": "sort \xff3:", "label": "3"}', b'{"prompt": ', good[1], b""])
+    )
+    with pytest.raises(RelaxUserError, match=r"bytes\.jsonl.*line 2: not UTF-8.*on_error=skip") as err:
+        load_prompts(str(path), cfg(), tokenizer)
+    assert "\n" not in str(err.value)
+    records, skipped = load_prompts(str(path), cfg(on_error="skip"), tokenizer)
+    assert skipped == 2  # the bad bytes and the invalid JSON line, like any other bad row
+    assert [r.prompt_text for r in records] == [ROWS[0]["prompt"], ROWS[1]["prompt"]]
+
+
 @pytest.mark.parametrize("content", ["", "\n  \n"])
 def test_empty_jsonl_file(tmp_path: Path, tokenizer, content: str) -> None:
     path = tmp_path / "empty.jsonl"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import getpass
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -140,6 +141,54 @@ def test_jsonl_logger_writes_no_mlflow_store(make_cfg, tmp_path: Path) -> None:
     assert not (tmp_path / "mlflow.db").exists()
     assert not (tmp_path / "reward_curve.png").exists()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1
+
+
+def test_a_fresh_start_after_a_run_killed_before_its_first_checkpoint_logs_step_0_once(
+    make_cfg, tmp_path: Path
+) -> None:
+    cfg = make_cfg("logger=jsonl", "logger.plot=false")
+    killed = MetricsSink(cfg, resolved_of(cfg))
+    killed.log(0, {"eval/accuracy": 0.125})  # then killed while saving checkpoint 0: nothing to resume
+    killed.jsonl.close()
+    again = MetricsSink(cfg, resolved_of(cfg))
+    again.log(0, {"eval/accuracy": 0.125})
+    again.log(1, step_metrics(1))
+    again.finish({"status": "finished"})
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path):
+    """A 1 MiB tmpfs, filled up by the test: a real ENOSPC, not a simulated one."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_names_the_path_in_one_line_and_leaves_no_empty_summary(
+    make_cfg, full_disk: Path
+) -> None:
+    cfg = make_cfg("logger=jsonl", "logger.plot=false")
+    cfg.output_dir = str(full_disk / "run")
+    sink = MetricsSink(cfg, resolved_of(cfg))
+    sink.log(1, step_metrics(1))
+    with open(full_disk / "filler", "wb") as f, pytest.raises(OSError):
+        while True:
+            f.write(b"x" * 65536)
+            f.flush()
+    with pytest.raises(RelaxUserError, match="no space left") as err:
+        sink.finish({"status": "finished", "steps": 1, "note": "x" * 100_000})
+    assert str(full_disk / "run") in str(err.value) and "\n" not in str(err.value)
+    summary = full_disk / "run" / "summary.json"
+    assert not summary.exists() or json.loads(summary.read_text())  # never an empty file
+    assert not list((full_disk / "run").glob("*.tmp*"))  # no temp file left behind
 
 
 def free_port() -> int:

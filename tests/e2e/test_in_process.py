@@ -84,7 +84,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     logs = {"in_process": launch(out["in_process"], "cluster=in_process", ray_tmp=ray_tmp, bare=True)}
     logs["ray"] = launch(out["ray"], "cluster=local")
     checkpoint = out["in_process"] / "checkpoints" / "step_000004"
-    logs["resumed"] = launch(out["resumed"], "cluster=in_process", f"trainer.resume={checkpoint}")
+    logs["resumed"] = launch(
+        out["resumed"],
+        "cluster=in_process",
+        f"trainer.resume={checkpoint}",
+        "trainer.export_final_model=true",
+    )
     return {"dirs": out, "logs": logs, "ray_tmp": ray_tmp}
 
 
@@ -127,3 +132,48 @@ def test_in_process_run_needs_no_ray_mlflow_or_engine_servers(runs) -> None:
     assert "No module named" not in log
     summary = json.loads((runs["dirs"]["in_process"] / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 8
+
+
+def eval_accuracy(run: Path, step: int) -> float:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return next(r["eval/accuracy"] for r in rows if r["step"] == step and "eval/accuracy" in r)
+
+
+@pytest.mark.slow
+def test_eval_only_scores_a_checkpoint_and_a_final_model_as_the_run_did(runs, tmp_path: Path) -> None:
+    """``python -m relax_launch.eval`` on the in-process run's step-4 checkpoint and on the resumed run's
+    final_model: the greedy accuracy those runs logged at that step, plus a sampled pass@2 per set."""
+    dirs, env = runs["dirs"], {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    models = {
+        4: (dirs["in_process"], dirs["in_process"] / "checkpoints" / "step_000004"),
+        8: (dirs["resumed"], dirs["resumed"] / "final_model"),
+    }
+    for step, (run, model) in models.items():
+        out = tmp_path / f"eval_{step}"
+        overrides = [
+            "cluster=in_process",
+            "logger=jsonl",
+            "eval.sets.heldout.n_samples=2",
+            "eval.sets.heldout.k=[2]",
+        ]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "relax_launch.eval",
+                f"model.path={model}",
+                *overrides,
+                f"hydra.run.dir={out}",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        lines = [json.loads(line) for line in (out / "eval_metrics.jsonl").read_text().splitlines()]
+        assert [row["set"] for row in lines] == ["heldout"] and 0.0 <= lines[0]["pass@2"] <= 1.0
+        results = json.loads((out / "eval_results.json").read_text())
+        assert results["metrics"]["eval/accuracy"] == eval_accuracy(run, step), step
+        assert results["checkpoint"] == (str(model) if step == 4 else None)

@@ -3,10 +3,14 @@ the control plane, each served by uvicorn on 127.0.0.1 from its own OpenAPI sche
 
 Valid (positive) and malformed (negative) requests are generated per operation; every answer must be a
 2xx, or a 4xx whose JSON ``detail`` says what is wrong: never a 5xx, never silence. Then the surface must
-still work. The number of cases is bounded (``CASES_PER_MODE`` per operation and mode) and printed.
+still work. The number of cases is bounded (``CASES_PER_MODE`` per operation and mode) and printed. Each
+generated JSON body is also sent again with its numbers swapped for values at the edge of the float and
+integer range (``EDGES``: NaN, Infinity, 1e308, denormals, -0.0, 2**64), which JSON parsers accept.
 """
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -22,6 +26,18 @@ from relax_core.engines.http_server import ServerThread
 from relax_core.engines.http_server import create_app as engine_app
 
 CASES_PER_MODE = 25
+EDGES = [float("nan"), float("inf"), -float("inf"), 1e308, -1e308, 5e-324, -0.0, 2**64, -(2**63) - 1, 2**1000]
+
+
+def with_edges(value, seed: int):
+    """``value`` with every number (bools kept) replaced by an edge value, chosen by position and ``seed``."""
+    if isinstance(value, dict):
+        return {k: with_edges(v, seed + i) for i, (k, v) in enumerate(value.items())}
+    if isinstance(value, list):
+        return [with_edges(v, seed + i) for i, v in enumerate(value)]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return EDGES[seed % len(EDGES)]
+    return value
 
 
 def fuzz(
@@ -49,17 +65,31 @@ def fuzz(
             @given(case=strategy)
             def run(case) -> None:
                 nonlocal count
-                count += 1
-                response = case.call(base_url=url, timeout=60)
-                detail = None
-                try:
-                    detail = response.json().get("detail")
-                except (ValueError, AttributeError):
-                    pass
-                if response.status_code >= 500 or (response.status_code >= 400 and not detail):
-                    bad.append((case.method, case.path, case.body, response.status_code, response.text[:200]))
-                if after is not None:
-                    after()
+                bodies = [case.body]
+                if isinstance(case.body, (dict, list)):
+                    bodies.append(with_edges(case.body, count))
+                for body in bodies:
+                    count += 1
+                    if body is case.body:
+                        response = case.call(base_url=url, timeout=60)
+                    else:  # sent as text: the client's JSON encoder refuses NaN and Infinity
+                        response = httpx.request(
+                            case.method,
+                            f"{url}{case.formatted_path}",
+                            params=case.query,
+                            content=json.dumps(body),
+                            headers={"content-type": "application/json"},
+                            timeout=60,
+                        )
+                    detail = None
+                    try:
+                        detail = response.json().get("detail")
+                    except (ValueError, AttributeError):
+                        pass
+                    if response.status_code >= 500 or (response.status_code >= 400 and not detail):
+                        bad.append((case.method, case.path, body, response.status_code, response.text[:200]))
+                    if after is not None:
+                        after()
 
             try:
                 run()
@@ -107,6 +137,16 @@ def test_agent_endpoint_answers_every_generated_request(tiny_model_dir, tokenize
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["role"] == "assistant"
 
 
+def test_agent_endpoint_refuses_a_temperature_that_would_overflow(tiny_model_dir, tokenizer):
+    app = build_app(
+        make_engine(tiny_model_dir, tokenizer, seed=3), tokenizer, SamplingParams(), TrajectoryStore()
+    )
+    with AgentServer(app) as server:
+        body = {"messages": [{"role": "user", "content": "hi"}], "user": "t", "temperature": 5e-324}
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 422 and "temperature" in reply.text, reply.text
+
+
 def test_control_plane_answers_every_generated_request(counts):
     server = ServerThread(control_plane_app(lambda: None, lambda: {"step": 1}))
     try:
@@ -124,7 +164,6 @@ def test_a_training_run_keeps_training_while_its_endpoints_are_fuzzed(tmp_path, 
     endpoint get 4xx while it trains, and it keeps training afterwards. Only malformed bodies are sent:
     valid ones would really scale the run or take its episodes. The run is long and stopped with Ctrl-C
     once it has trained past the fuzzing, so its endpoints cannot close under the fuzzer."""
-    import json
     import signal
     import subprocess
     import sys

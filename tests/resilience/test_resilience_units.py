@@ -36,6 +36,7 @@ def test_checkpoints_are_published_whole_and_pruned_to_keep_last(tmp_path: Path)
         "step": 6,
         "saved_at": 0,
         "kind": "test",
+        "files": {"payload.txt": 1},  # what resume checks the folder against
     }
     assert not list(manager.root.glob(".tmp-*"))
 
@@ -67,6 +68,39 @@ def test_resume_rules(tmp_path: Path) -> None:
     assert resolve_resume(str(tmp_path), "/elsewhere").name == "step_000002"  # another run's dir
     with pytest.raises(RelaxUserError, match="trainer.resume"):
         resolve_resume(str(tmp_path / "nope"), tmp_path)
+
+
+def _write_pt(tmp: Path) -> dict:
+    import torch
+
+    torch.save({"w": torch.arange(64)}, tmp / "driver.pt")
+    return {}
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "reason"),
+    [
+        (lambda c: (c / "driver.pt").write_bytes((c / "driver.pt").read_bytes()[:100]), "driver.pt"),
+        (lambda c: (c / "driver.pt").unlink(), "driver.pt"),
+        (lambda c: (c / "meta.json").write_text('{"step": 2,'), "meta.json"),
+    ],
+)
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, corrupt, reason: str
+) -> None:
+    manager = CheckpointManager(checkpoint_root(tmp_path), save_every=1, keep_last=5)
+    manager.save(1, _write_pt)
+    newest = manager.save(2, _write_pt)
+    corrupt(newest)
+    with caplog.at_level("WARNING", logger="relax"):
+        assert resolve_resume("auto", tmp_path).name == "step_000001"
+    assert any("step_000002" in r.message and reason in r.message for r in caplog.records), caplog.text
+    with pytest.raises(RelaxUserError, match=rf"trainer.resume=.*step_000002.*{reason}") as err:
+        resolve_resume(str(newest), tmp_path)  # asked for by name: no silent substitute
+    assert "\n" not in str(err.value)
+    corrupt(manager.root / "step_000001")
+    with pytest.raises(RelaxUserError, match="no intact checkpoint"):
+        resolve_resume("auto", tmp_path)
 
 
 def test_notifications_reach_a_relaxfile_target(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import time
 from typing import Any
@@ -25,9 +26,18 @@ def boom_reward(response: str, label: Any, metadata: Metadata = None) -> float:
     return 1.0 if response.strip() == str(label) else 0.0
 
 
+def logged_sleepy_reward(response: str, label: Any, metadata: Metadata = None) -> float:
+    """``sleepy_reward`` that first appends its start time to the file ``metadata["log"]``."""
+    with open((metadata or {})["log"], "a") as f:
+        f.write(f"{time.time()}\n")
+    return sleepy_reward(response, label, metadata)
+
+
 def crash_reward(response: str, label: Any, metadata: Metadata = None) -> float:
     if (metadata or {}).get("crash"):
         os._exit(3)
+    if (metadata or {}).get("segfault"):
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
     return 1.0 if response.strip() == str(label) else 0.0
 
 

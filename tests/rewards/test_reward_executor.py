@@ -62,6 +62,44 @@ def test_raising_reward_scores_zero_with_the_error(num_workers: int, caplog) -> 
     assert "sample s1" in caplog.text and "cannot grade" in caplog.text
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_hung_calls_run_concurrently(tmp_path: Path, num_workers: int) -> None:
+    """Each call's timeout runs beside the others': every hung call started before the first timed out."""
+    log = tmp_path / "starts"
+    cfg = RewardConfig(_target_=plugin("logged_sleepy_reward"), num_workers=num_workers, timeout_s=1.0)
+    batch = [RewardItem(f"h{i}", "7", "7", {"hang": True, "log": str(log)}, i) for i in range(4)]
+    batch.append(RewardItem("ok", "7", "7", {"log": str(log)}, 4))
+    with RewardExecutor.from_config(cfg) as ex:
+        outs = ex.score(batch)
+    assert [o.error for o in outs] == ["timeout"] * 4 + [None]
+    starts = sorted(float(t) for t in log.read_text().split())
+    assert len(starts) == 5 and starts[-1] < starts[0] + cfg.timeout_s
+
+
+def test_exit_or_segfault_in_a_reward_costs_only_its_samples_by_default() -> None:
+    """The default runner is the process pool: os._exit and a segfault end a worker, not the run, and the
+    calls that ran beside them in that worker are scored again."""
+    cfg = RewardConfig(_target_=plugin("crash_reward"), timeout_s=5.0)
+    batch = items(
+        ("1", "1", None),
+        ("2", "2", {"crash": True}),
+        ("3", "3", None),
+        ("4", "4", {"segfault": True}),
+        ("5", "5", None),
+    )
+    with RewardExecutor.from_config(cfg) as ex:
+        outs = ex.score(batch)
+        assert [o.reward for o in ex.score(items(("6", "6", None)))] == [1.0]  # the pool still serves
+    assert [o.reward for o in outs] == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert [o.error for o in outs] == [
+        None,
+        "exception: reward worker process died (exit code 3)",
+        None,
+        "exception: reward worker process died (exit code -11)",
+        None,
+    ]
+
+
 def test_crashing_worker_is_replaced() -> None:
     cfg = RewardConfig(_target_=plugin("crash_reward"), num_workers=1, timeout_s=5.0)
     with RewardExecutor.from_config(cfg) as ex:
@@ -215,7 +253,7 @@ def test_unpicklable_reward_is_refused_for_worker_processes() -> None:
     relax_rewards.register("test_exec_local_closure")(lambda response, label, metadata=None: 1.0)
     with pytest.raises(ValueError, match="cannot be sent to worker processes"):
         RewardExecutor.from_config({"name": "test_exec_local_closure", "num_workers": 1})
-    with RewardExecutor.from_config({"name": "test_exec_local_closure"}) as ex:
+    with RewardExecutor.from_config({"name": "test_exec_local_closure", "num_workers": 0}) as ex:
         assert ex.score(items(("x", None, None)))[0].reward == 1.0
 
 

@@ -91,3 +91,35 @@ def test_math_verify_timeouts_print_nothing() -> None:
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout == "" and run.stderr.strip() == "something else"
+
+
+@pytest.mark.parametrize(
+    ("source", "cause"),
+    [
+        (
+            "def score(response, label, metadata=None):\n    raise ValueError('no grader')\n",
+            r"cannot score: it failed \(ValueError: no grader\) on all 2 probes \(the first rows of .*rows.jsonl",
+        ),
+        (
+            "def score(response, label, metadata=None):\n    return 'yes'\n",
+            r"cannot score: it failed \(reward returned str, expected a number or a dict\) on all 2 probes",
+        ),
+        ("def score():\n    return 1.0\n", r"cannot be called as score\(response, label, metadata"),
+        ("import no_such_module_xyz\n", r"cannot be loaded: .*no_such_module_xyz"),
+    ],
+)
+def test_custom_reward_that_cannot_score_stops_before_the_first_step(
+    tmp_path: Path, source: str, cause: str
+) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(2)))
+    (tmp_path / "r.py").write_text(source)
+    cfg = RewardConfig(_target_=f"{tmp_path / 'r.py'}:score", num_workers=0)
+    with pytest.raises(ValueError, match=rf"^reward._target_='.*r.py:score' {cause}") as err:
+        check_reward_config(cfg, "answer", str(rows))
+    assert "\n" not in str(err.value)
+    # a reward that scores some probes passes
+    (tmp_path / "some.py").write_text(
+        "def score(response, label, metadata=None):\n    return 1.0 / (int(label) - 1)\n"
+    )
+    check_reward_config(RewardConfig(_target_=f"{tmp_path / 'some.py'}:score"), "answer", str(rows))
