@@ -198,6 +198,8 @@ class ClusterConfig:
     name: str = "local"
     # whole-run restarts from the last checkpoint (Actor lost, or a role restarted too often)
     max_global_restarts: int = 2
+    # memory of each GPU the roles use; the launcher refuses a GPU run its roles cannot fit in (relax_core/memory.py)
+    gpu_memory_gb: float = 80.0
 
 
 @dataclass
@@ -403,6 +405,25 @@ class MegatronParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on the policy (``trainer.lora``): base weights frozen, AdamW state for the adapters
+    alone; engines, the Reference and ``final_model`` get the merged weights W + B·A·alpha/rank."""
+
+    # 0 or null: full fine-tuning
+    rank: int | None = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # the supervised warm-start trains the full model (it stands in for pretraining a random-init tiny model,
+    # which rank-8 adapters on frozen random weights barely move); the adapters then train from the RL phase
+    # on, and checkpoints keep the warm-started base next to them. false: adapters only from the start
+    full_warm_start: bool = False
+    # attribute names of the adapted nn.Linear layers (Qwen3 attention and MLP projections)
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
 class TrainerConfig:
     """Optimisation loop (``conf/trainer/``)."""
 
@@ -412,6 +433,12 @@ class TrainerConfig:
     # samples per optimizer step (null: the whole rollout batch, i.e. one step per rollout)
     global_batch_size: int | None = None
     micro_batch_size: int = 64
+    # null: micro-batches of micro_batch_size rows, right-padded. A token count: rows grouped (longest first,
+    # first fit) so each micro-batch holds at most this many prompt+response tokens (a longer row trains
+    # alone); the torch backend (not FSDP) packs a Qwen3 micro-batch's rows into one padding-free sequence
+    # (per-row position ids, block-diagonal causal mask; share_prompts then does not apply). The same loss
+    # and gradients to float rounding. mode=async streams keep row-count micro-batches, packed
+    max_tokens_per_micro_batch: int | None = None
     # torch backend: run each distinct prompt of a micro-batch through the model once and only the responses
     # per sample (GRPO's n samples share one prompt). The same log-probs and gradients up to float rounding,
     # ~40% less train time on the default task, bit-identical reruns. Skipped by itself where it cannot pay
@@ -459,6 +486,7 @@ class TrainerConfig:
     # the rollout engines generate and come back before training (a no-op for a model on the CPU)
     offload: bool = False
     megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from relax_core.errors import RelaxUserError
 RowMaker = Callable[[random.Random, Any], dict]
 
 # modules whose import registers tasks (besides this one, which defines ``digits``)
-TASK_MODULES = ("relax_core.synthetic_multimodal", "relax_core.agentic.tasks")
+TASK_MODULES = ("relax_core.synthetic_multimodal", "relax_core.agentic.tasks", "relax_core.synthetic_code")
 MEDIA_COLUMN = {"image": "images", "video": "videos", "audio": "audios"}
 
 

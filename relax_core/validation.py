@@ -70,6 +70,12 @@ def validate(cfg) -> None:
 
     check_training_ranks(cfg)
     check_gpus(cfg)
+    from relax_core.memory import estimate, uses_gpus
+
+    if uses_gpus(cfg):  # a CPU run is never refused: the doctor prints its per-process figures
+        problem = estimate(cfg).problem()
+        if problem:
+            raise RelaxUserError(f"memory: {problem}")
     if t.offload and (cfg.mode.name != "colocate" or t.backend != "torch"):
         raise RelaxUserError(
             f"trainer.offload frees the device between colocate phases of the torch backend; this run has "
@@ -77,6 +83,10 @@ def validate(cfg) -> None:
         )
 
     validate_model_and_modality(cfg)
+    if t.lora.rank:
+        from relax_models.lora import check_lora_config
+
+        check_lora_config(t.lora, t.backend, t.fsdp)
     for key, value in {
         "rollout.batch_size": r.batch_size,
         "rollout.n_samples_per_prompt": r.n_samples_per_prompt,
@@ -88,6 +98,12 @@ def validate(cfg) -> None:
     }.items():
         if value < 1:
             raise RelaxUserError(f"{key} must be >= 1, got {value}")
+    mt = t.max_tokens_per_micro_batch
+    if mt is not None and (mt < 1 or t.fsdp or t.backend != "torch"):
+        raise RelaxUserError(
+            f"trainer.max_tokens_per_micro_batch={mt} needs a count >= 1 and the torch backend without FSDP "
+            f"(this run: trainer.backend={t.backend}, trainer.fsdp={t.fsdp}): set it to null"
+        )
     if r.num_engines > r.batch_size:
         raise RelaxUserError(
             f"rollout.num_engines={r.num_engines} exceeds rollout.batch_size={r.batch_size}: some engines would idle"

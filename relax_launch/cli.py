@@ -88,13 +88,20 @@ def check_schema(cfg: DictConfig) -> None:
         raise RelaxUserError(f"{extra[0]}: not a field of the config schema (relax_core/config.py)")
 
 
-def composition_problem(overrides: list[str]) -> str | None:
-    """One line naming what is wrong with ``overrides``, or None when the config composes."""
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The config ``python -m relax_launch <overrides>`` runs, schema-checked; raises on a bad override."""
     from hydra import compose, initialize_config_module
 
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    check_schema(cfg)
+    return cfg
+
+
+def composition_problem(overrides: list[str]) -> str | None:
+    """One line naming what is wrong with ``overrides``, or None when the config composes."""
     try:
-        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-            check_schema(compose("config", overrides=overrides))
+        compose_config(overrides)
     except Exception as err:  # noqa: BLE001  (Hydra and OmegaConf raise many types; all are user errors)
         if isinstance(err, RelaxUserError):
             return str(err)

@@ -15,7 +15,7 @@ Example::
     outcomes = ex.score([relax_rewards.RewardItem("s0", response, label, metadata, group_id=0)])
 """
 
-from relax_rewards import builtin, digits  # noqa: F401  (registers the built-in rewards)
+from relax_rewards import builtin, code, digits  # noqa: F401  (registers the built-in rewards)
 from relax_rewards.config import RewardConfig
 from relax_rewards.executor import RewardExecutor, RewardItem, RewardOutcome
 from relax_rewards.plugins import group_reward, is_group_reward, load_custom

@@ -136,6 +136,8 @@ def check_reward_config(
     if kwargs.get("url"):
         check_reachable(str(kwargs["url"]), "reward.kwargs.url", probe_timeout_s)
     check_custom_reward(cfg, label_key, train_path)
+    if entry is not None and entry.check is not None:
+        entry.check(kwargs)
     if entry is None or not entry.needs_label:
         return
     if not label_key:

@@ -23,6 +23,8 @@ class RewardEntry:
     needs_label: bool = False
     # kwargs of which the config must give at least one (e.g. a judge's url)
     needs_one_of: tuple[str, ...] = ()
+    # launch check fn(reward.kwargs) raising ValueError in one line when this machine cannot score
+    check: Callable[[dict[str, Any]], None] | None = None
 
 
 _REGISTRY: dict[str, RewardEntry] = {}
@@ -50,13 +52,15 @@ def register(
     group: bool | None = None,
     needs_label: bool = False,
     needs_one_of: tuple[str, ...] = (),
+    check: Callable[[dict[str, Any]], None] | None = None,
 ) -> Callable[[RewardFn], RewardFn]:
     """Decorator registering ``fn`` under ``name``.
 
     ``key`` names the entry of a dict-valued reward used as the scalar when the config gives none;
     ``group=True`` (or a function marked with ``@group_reward``) means it scores one prompt group at
     a time: ``fn(responses, labels, metadatas) -> list``. ``needs_label`` and ``needs_one_of`` (kwargs
-    of which one must be configured) let a run that cannot score stop at start (:mod:`relax_rewards.preflight`).
+    of which one must be configured) and ``check(kwargs)`` let a run that cannot score stop at start
+    (:mod:`relax_rewards.preflight`).
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"reward name must be a non-empty string, got {name!r}")
@@ -70,7 +74,7 @@ def register(
                 f"reward name {name!r} is already registered to {old.fn.__module__}.{old.fn.__qualname__}"
             )
         is_group = is_group_reward(fn) if group is None else group
-        _REGISTRY[name] = RewardEntry(name, fn, key, is_group, needs_label, tuple(needs_one_of))
+        _REGISTRY[name] = RewardEntry(name, fn, key, is_group, needs_label, tuple(needs_one_of), check)
         return fn
 
     return deco

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 
+from relax_core.agentic.lookup import lookup_value
 from relax_core.synthetic import synthetic_task
 
 
@@ -99,3 +100,12 @@ def calc_tools_row(rng: random.Random, cfg) -> dict:
             "demo": [{"role": "assistant", "content": None, "tool_calls": [call]}],
         },
     }
+
+
+@synthetic_task("lookup")
+def lookup_row(rng: random.Random, cfg) -> dict:
+    """``find 374`` -> the slow lookup service's value for key ``374`` (:mod:`relax_core.agentic.lookup`):
+    keys of ``min_digits``..``max_digits`` digits, values a hash only the tool knows."""
+    width = rng.randint(cfg.min_digits, cfg.max_digits)
+    key = str(rng.randint(10 ** (width - 1), 10**width - 1))
+    return {"prompt": f"find {key}", "label": lookup_value(key), "metadata": {"key": key}}

@@ -26,8 +26,12 @@ def accumulate_gradients(
     loss_fn: LossFn,
     micro_batch_size: int,
     grad_scale: float = 1.0,
+    max_tokens: int | None = None,
 ) -> dict[str, float]:
     """Backward of ``loss_fn`` over the micro-batches of ``batch``; the caller steps the optimizer.
+
+    Micro-batches hold ``micro_batch_size`` rows, or, with ``max_tokens``, :func:`token_budget_groups`
+    (``loss_fn`` weighs each micro-batch by its own share of the batch, so any grouping sums to one loss).
 
     Returns the metrics averaged over micro-batches, except ``loss``: the micro-batch losses are already
     scaled for accumulation, so their sum is the batch loss. ``grad_scale`` multiplies only the gradient:
@@ -35,7 +39,10 @@ def accumulate_gradients(
     the global batch's loss, as on one rank.
     """
     sums: dict[str, float] = {}
-    micro_batches = batch.micro_batches(micro_batch_size)
+    if max_tokens is None or not isinstance(batch, TrainBatch):  # a bus stream forms its own micro-batches
+        micro_batches = batch.micro_batches(micro_batch_size)
+    else:
+        micro_batches = [batch.select(rows) for rows in token_budget_groups(row_lengths(batch), max_tokens)]
     for micro in micro_batches:
         logprobs, entropy = logprob_fn(micro)
         loss, metrics = loss_fn(micro, logprobs, entropy)
@@ -108,6 +115,55 @@ def pad_to_width(parts: list[torch.Tensor], width: int) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
 
+def row_lengths(batch: TrainBatch) -> list[int]:
+    """Prompt + response tokens of each row."""
+    return batch.attention_mask.sum(-1).tolist()
+
+
+def token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Rows grouped so each group's tokens (its rows' ``lengths`` summed: packed, no padding) stay within
+    ``max_tokens``: first fit, longest rows first; a row longer than the budget forms a group alone. Each
+    group lists its rows in batch order."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        fit = next((g for g, free in enumerate(room) if lengths[i] <= free), None)
+        if fit is None:
+            groups.append([i])
+            room.append(max_tokens - lengths[i])
+        else:
+            groups[fit].append(i)
+            room[fit] -= lengths[i]
+    return [sorted(g) for g in groups]
+
+
+def scatter_rows(parts: list[torch.Tensor], groups: list[list[int]], width: int) -> torch.Tensor:
+    """``[B, width]`` from per-group ``[b, r_i]`` tensors whose rows are the batch rows ``groups[i]``,
+    zero-padded on the right."""
+    out = parts[0].new_zeros(sum(len(g) for g in groups), width)
+    for part, rows in zip(parts, groups):
+        out[rows, : part.shape[1]] = part
+    return out
+
+
+def pack_rows(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``batch``'s right-padded rows as one padding-free sequence for an HF causal LM: ``input_ids`` and
+    ``position_ids`` ``[1, T]`` (positions restart at 0 on every row, from which HF builds a block-diagonal
+    causal mask when no attention mask is given) and, flattened ``[B·R]``, the packed position of the logit
+    that predicts each response token (``logits_to_keep``; steps past a row's response repeat its last)."""
+    lengths = batch.attention_mask.sum(-1)
+    starts = lengths.cumsum(0) - lengths
+    input_ids = batch.input_ids[batch.attention_mask.bool()].unsqueeze(0)  # row-major: rows end to end
+    position_ids = torch.arange(input_ids.shape[1], device=lengths.device) - starts.repeat_interleave(lengths)
+    steps = torch.arange(batch.loss_mask.shape[1], device=lengths.device)
+    last = (batch.response_lens - 1).clamp(min=0).unsqueeze(1)
+    keep = starts.unsqueeze(1) + (batch.prompt_lens.unsqueeze(1) + torch.minimum(steps, last) - 1).clamp(
+        min=0
+    )
+    return input_ids, position_ids.unsqueeze(0), keep.flatten()
+
+
 class TrainingBackend(abc.ABC):
     @abc.abstractmethod
     def forward_logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -145,6 +201,10 @@ class TrainingBackend(abc.ABC):
             if not bool(torch.isfinite(local.detach()).all()):
                 bad.append(name)
         return bad
+
+    def set_warm_start(self, active: bool) -> None:
+        """Entering (``True``) or leaving the supervised warm-start, before the optimizer is reset for it
+        (LoRA with ``full_warm_start``: the base model trains during it, the adapters after)."""
 
     @abc.abstractmethod
     def reset_optimizer(self, lr: float) -> None:

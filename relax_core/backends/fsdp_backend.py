@@ -37,6 +37,7 @@ from relax_core.backends.base import LossFn, accumulate_gradients, pad_to_width,
 from relax_core.backends.torch_backend import TorchBackend, rng_state, set_rng_state
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_tokenizer
+from relax_models.lora import merged_weights
 from relax_models.megatron.cpu_shim import init_process_group
 from relax_models.weight_buckets import bucket_by_bytes
 
@@ -70,6 +71,8 @@ class FSDPBackend(TorchBackend):
         self.model.to_empty(device=self.device)
         cpu = torch.device("cpu")
         source = self._build_model(self.model_path, self.model_cfg, cpu) if self.rank == 0 else None
+        if source is not None:
+            self._apply_lora(source)  # LoRA: rank 0's initial adapters reach every rank with the weights
         set_model_state_dict(
             self.model,
             source.state_dict() if source is not None else {},
@@ -123,7 +126,11 @@ class FSDPBackend(TorchBackend):
     def iter_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """Gathered weights in HF names, one bucket at a time (collective): at most one bucket of full
         tensors exists besides the shards."""
-        full = ((name, _gather(t, self.compute_dtype)) for name, t in self.model.state_dict().items())
+        # LoRA: merged in fp32 from the gathered base and adapters, then cast to model.dtype
+        dtype = torch.float32 if self.lora else self.compute_dtype
+        full = ((name, _gather(t, dtype)) for name, t in self.model.state_dict().items())
+        if self.lora:
+            full = ((name, self._out(t)) for name, t in merged_weights(full, self.lora_scales))
         for bucket in bucket_by_bytes(full, bucket_bytes):
             yield dict(bucket)
 
@@ -136,10 +143,19 @@ class FSDPBackend(TorchBackend):
         set_model_state_dict(
             self.model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False)
         )
+        self._zero_adapters()
 
     # ------------------------------------------------------------------ checkpoints
     def _rank_file(self, path: str) -> Path:
         return Path(path) / f"fsdp_rank{self.rank:05d}.pt"
+
+    def set_warm_start(self, active: bool) -> None:
+        """Adapters only, from the start (``check_lora_config`` refuses ``full_warm_start`` with FSDP: FSDP2
+        fixes which parameters take gradients when it first gathers them)."""
+
+    def _dcp_options(self) -> StateDictOptions:
+        """LoRA: checkpoints hold the adapters (the trainable parameters) only; the base is ``model_path``."""
+        return StateDictOptions(ignore_frozen_params=bool(self.lora), strict=not self.lora)
 
     def save_checkpoint(self, path: str) -> None:
         """Sharded model + optimizer via ``torch.distributed.checkpoint``; scheduler and RNG per rank.
@@ -150,10 +166,10 @@ class FSDPBackend(TorchBackend):
         os.makedirs(path, exist_ok=True)
         with_optimizer = self.optimizer is not None and bool(self.optimizer.state)
         if with_optimizer:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._dcp_options())
             state = {"model": model_state, "optimizer": optim_state}
         else:
-            state = {"model": get_model_state_dict(self.model)}
+            state = {"model": get_model_state_dict(self.model, options=self._dcp_options())}
         dcp.save(state, checkpoint_id=str(Path(path) / "dcp"))
         torch.save(
             {
@@ -161,6 +177,7 @@ class FSDPBackend(TorchBackend):
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                 "rng": rng_state(),
                 "ranks": self.ranks,
+                "lora": bool(self.lora),
             },
             self._rank_file(path),
         )
@@ -177,8 +194,15 @@ class FSDPBackend(TorchBackend):
                 f"checkpoint {path} was saved by {meta['ranks']} FSDP ranks; this run has {self.ranks}: "
                 f"resume with trainer.dp_size={meta['ranks']}"
             )
+        if meta.get("lora", False) != bool(self.lora):
+            saved = "LoRA adapters" if meta.get("lora") else "full weights"
+            raise RelaxUserError(
+                f"checkpoint {path} holds {saved}; this run has trainer.lora.rank="
+                f"{self.lora.rank if self.lora else 0}: resume with the trainer.lora settings it was saved with"
+            )
+        options = self._dcp_options()
         if meta["with_optimizer"] and self.optimizer is not None:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
             state = {"model": model_state, "optimizer": optim_state}
             dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
             set_state_dict(
@@ -186,11 +210,12 @@ class FSDPBackend(TorchBackend):
                 self.optimizer,
                 model_state_dict=state["model"],
                 optim_state_dict=state["optimizer"],
+                options=options,
             )
         else:
-            state = {"model": get_model_state_dict(self.model)}
+            state = {"model": get_model_state_dict(self.model, options=options)}
             dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
-            set_state_dict(self.model, [], model_state_dict=state["model"])
+            set_state_dict(self.model, [], model_state_dict=state["model"], options=options)
         if self.scheduler is not None and meta["scheduler"] is not None:
             self.scheduler.load_state_dict(meta["scheduler"])
         set_rng_state(meta["rng"])

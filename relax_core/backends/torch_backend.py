@@ -17,7 +17,11 @@ from relax_core.backends.base import (
     TrainingBackend,
     accumulate_gradients,
     batch_to_device,
+    pack_rows,
     pad_to_width,
+    row_lengths,
+    scatter_rows,
+    token_budget_groups,
     update_is_finite,
 )
 from relax_core.backends.schedule import lr_multiplier
@@ -27,6 +31,10 @@ from relax_core.placement import role_device
 from relax_core.samples import TrainBatch
 from relax_models.errors import RelaxUserError
 from relax_models.loader import DTYPES, load_causal_lm, load_tokenizer
+from relax_models.lora import LoRALinear, apply_lora, is_adapter, merged_weights
+
+# families whose text forward takes packed rows (position ids restarting per row, no attention mask)
+PACKED_FAMILIES = ("qwen3", "qwen3_moe")
 
 
 def rng_state() -> dict:
@@ -47,6 +55,12 @@ class TorchBackend(TrainingBackend):
     and runs its forward in ``model.dtype`` (:meth:`_cast_forward`); a frozen scorer holds its weights in
     ``model.dtype``. Weights leave the backend (:meth:`state_dict`, export) in ``model.dtype``, the dtype
     the rollout engines load.
+
+    ``trainer.lora.rank`` (a trainable policy only; not the Critic, whose trainer config has no ``lora``):
+    low-rank adapters on the ``target_modules`` layers are all that trains and all the optimizer holds;
+    weights leave the backend merged (W + B·A·alpha/rank) under the base model's names and shapes, and
+    checkpoints hold the adapters, their optimizer state, the scheduler and RNG (the frozen base is the
+    run's ``model_path``, or, after a ``full_warm_start``, kept in the checkpoint too).
     """
 
     def __init__(
@@ -68,8 +82,15 @@ class TorchBackend(TrainingBackend):
         self.model = self._build_model(model_path, self.model_cfg, self._load_device())
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
+        lora = getattr(trainer_cfg, "lora", None) if trainable else None
+        self.lora = lora if lora is not None and lora.rank else None
+        self.lora_scales = self._apply_lora(self.model)
+        # LoRA with full_warm_start: the base was trained by the warm-start, so checkpoints must keep it
+        self.base_trained = False
         if trainable and model_cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+            if self.lora:  # frozen embeddings: checkpointed blocks need an input that requires grad
+                self.model.enable_input_require_grads()
         self.trainer_cfg = trainer_cfg
         # the prompt pass hands its KV cache to the response pass; HF turns the cache off under checkpointing
         self.share_prompts = trainer_cfg.share_prompts and not (
@@ -92,6 +113,23 @@ class TorchBackend(TrainingBackend):
             device=device,
         )
 
+    def _apply_lora(self, model: torch.nn.Module) -> dict[str, float]:
+        """Adapters on ``model`` when LoRA is on (``{layer name: scale}``; empty otherwise)."""
+        if not self.lora:
+            return {}
+        c = self.lora
+        return apply_lora(model, c.rank, c.alpha, c.dropout, list(c.target_modules))
+
+    def set_warm_start(self, active: bool) -> None:
+        """LoRA with ``full_warm_start``: the base trains during the warm-start (the adapters, B = 0, add
+        nothing meanwhile), the adapters alone after it."""
+        if not (self.lora and self.lora.full_warm_start):
+            return
+        self.model.zero_grad(set_to_none=True)  # a frozen parameter's last gradient would enter clipping
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(is_adapter(name) != active)
+        self.base_trained = self.base_trained or not active
+
     def _load_device(self) -> torch.device:
         """Where the model is built: the role's device."""
         return self.device
@@ -110,8 +148,10 @@ class TorchBackend(TrainingBackend):
         t = self.trainer_cfg
         # foreach: one multi-tensor kernel per update term instead of ~10 ops per parameter (torch picks the
         # per-parameter loop on CPU); same arithmetic, bit-identical weights
+        # LoRA: the adapters alone (the frozen base holds no optimizer state)
+        params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, weight_decay=t.weight_decay, betas=tuple(t.betas), foreach=True
+            params, lr=lr, weight_decay=t.weight_decay, betas=tuple(t.betas), foreach=True
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(t))
 
@@ -149,8 +189,27 @@ class TorchBackend(TrainingBackend):
             logprobs, entropy = token_logprobs_and_entropy(logits, batch, self.temperature)
         return logprobs.cpu(), entropy.cpu()  # the loss runs next to the batch's masks (CPU)
 
+    def _packed_logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_logprobs_entropy` with the rows packed end to end, no padding (:func:`pack_rows`), and
+        logits only at the response positions; families without packed position ids (the multimodal ones
+        derive M-RoPE positions from padded rows) take the padded forward."""
+        if self.family not in PACKED_FAMILIES or any(mm is not None for mm in batch.multimodal_inputs):
+            return self._logprobs_entropy(batch)
+        batch = batch_to_device(batch, self.device)
+        input_ids, position_ids, keep = pack_rows(batch)
+        # no attention mask and no cache: HF reads the row boundaries from the position ids
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
+        logits = out.logits.view(*batch.loss_mask.shape, -1)
+        logprobs, entropy = response_logprobs_and_entropy(logits, batch, self.temperature)
+        return logprobs.cpu(), entropy.cpu()
+
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, micro_batch_size: int = 64) -> torch.Tensor:
+        max_tokens = getattr(self.trainer_cfg, "max_tokens_per_micro_batch", None)
+        if max_tokens:
+            groups = token_budget_groups(row_lengths(batch), max_tokens)
+            parts = [self._packed_logprobs_entropy(batch.select(rows))[0] for rows in groups]
+            return scatter_rows(parts, groups, batch.loss_mask.shape[1])
         parts = [self._logprobs_entropy(mb)[0] for mb in batch.micro_batches(micro_batch_size)]
         return pad_to_width(parts, batch.loss_mask.shape[1])
 
@@ -158,7 +217,9 @@ class TorchBackend(TrainingBackend):
         assert self.optimizer is not None, "train_step on a frozen backend"
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        out = accumulate_gradients(batch, self._logprobs_entropy, loss_fn, micro_batch_size)
+        max_tokens = getattr(self.trainer_cfg, "max_tokens_per_micro_batch", None)
+        logprob_fn = self._packed_logprobs_entropy if max_tokens else self._logprobs_entropy
+        out = accumulate_gradients(batch, logprob_fn, loss_fn, micro_batch_size, max_tokens=max_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
         return self._apply_update(out, float(grad_norm))
 
@@ -176,8 +237,12 @@ class TorchBackend(TrainingBackend):
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights in ``model.dtype`` on the CPU (fp32 master weights rounded to what engines load)."""
-        return {k: self._out(v) for k, v in self.model.state_dict().items()}
+        """The weights in ``model.dtype`` on the CPU (fp32 master weights rounded to what engines load);
+        LoRA: merged into the base weights, under the base model's names."""
+        weights = self.model.state_dict().items()
+        if self.lora:
+            weights = merged_weights(weights, self.lora_scales)
+        return {k: self._out(v) for k, v in weights}
 
     def _out(self, tensor: torch.Tensor) -> torch.Tensor:
         """A CPU copy of ``tensor``, in ``model.dtype`` if it is floating point."""
@@ -185,13 +250,32 @@ class TorchBackend(TrainingBackend):
         return tensor.detach().to("cpu", dtype, copy=True)
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """LoRA: the weights become the base and the adapters add nothing, so the model computes exactly
+        ``state_dict`` (ActorFwd follows the policy's merged weights)."""
         self.model.load_state_dict(state_dict, strict=False)
+        self._zero_adapters()
+
+    def _zero_adapters(self) -> None:
+        with torch.no_grad():
+            for module in self.model.modules():
+                if isinstance(module, LoRALinear):
+                    module.lora_B.zero_()
+
+    def _checkpoint_model_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the model: every weight, or with LoRA the adapters alone (and the base
+        when the warm-start trained it)."""
+        state = self.model.state_dict()
+        if not self.lora or self.base_trained:
+            return state
+        return {k: v for k, v in state.items() if is_adapter(k)}
 
     def save_checkpoint(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         torch.save(
             {
-                "model": self.model.state_dict(),
+                "model": self._checkpoint_model_state(),
+                "lora": bool(self.lora),
+                "base_trained": self.base_trained,
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                 "rng": rng_state(),
@@ -201,7 +285,21 @@ class TorchBackend(TrainingBackend):
 
     def load_checkpoint(self, path: str) -> None:
         state = torch.load(Path(path) / "backend.pt", weights_only=False)
-        self.model.load_state_dict(state["model"])
+        if state.get("lora", False) != bool(self.lora):
+            saved = "LoRA adapters" if state.get("lora") else "full weights"
+            rank = self.lora.rank if self.lora else 0
+            raise RelaxUserError(
+                f"checkpoint {path} holds {saved}; this run has trainer.lora.rank={rank}: "
+                "resume with the trainer.lora settings the checkpoint was saved with"
+            )
+        self.base_trained = state.get("base_trained", False)
+        strict = not self.lora or self.base_trained
+        missing = self.model.load_state_dict(state["model"], strict=strict).missing_keys
+        if any(is_adapter(k) for k in missing):
+            raise RelaxUserError(
+                f"checkpoint {path} has no adapters for {[k for k in missing if is_adapter(k)][:3]}: resume "
+                "with the trainer.lora.target_modules the checkpoint was saved with"
+            )
         if self.optimizer and state["optimizer"]:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])

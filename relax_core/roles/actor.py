@@ -92,6 +92,7 @@ class Actor(WeightSource, WeightReceiver):
         Runs with its own optimizer at ``trainer.sft_lr``; :meth:`end_warm_start` hands over to RL.
         """
         if not self._in_warm_start:
+            self.backend.set_warm_start(True)
             self.backend.reset_optimizer(self.cfg.trainer.sft_lr)
             self._in_warm_start = True
 
@@ -103,6 +104,7 @@ class Actor(WeightSource, WeightReceiver):
 
     def end_warm_start(self) -> None:
         """Fresh optimizer state at ``trainer.lr`` so Adam moments of the supervised phase do not leak."""
+        self.backend.set_warm_start(False)
         self.backend.reset_optimizer(self.cfg.trainer.lr)
         self._in_warm_start = False
 

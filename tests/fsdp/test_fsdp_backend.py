@@ -18,7 +18,14 @@ import torch
 import torch.multiprocessing as mp
 
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
-from relax_core.config import AlgorithmConfig, CriticConfig, ModelConfig, RelaxConfig, TrainerConfig
+from relax_core.config import (
+    AlgorithmConfig,
+    CriticConfig,
+    LoRAConfig,
+    ModelConfig,
+    RelaxConfig,
+    TrainerConfig,
+)
 from relax_core.samples import Sample, TrainBatch
 
 pytestmark = [
@@ -31,6 +38,7 @@ WORLD = 2
 TRAINER = TrainerConfig(lr=1e-3, lr_decay="constant", grad_clip=0.5, fsdp=True, dp_size=WORLD)
 # the recipes' learning rate, which bf16 parameters would round away
 BF16_TRAINER = dataclasses.replace(TRAINER, lr=1e-6)
+LORA_TRAINER = dataclasses.replace(TRAINER, lora=LoRAConfig(rank=4, alpha=8))
 ALGO = AlgorithmConfig(loss_agg_mode="token-mean", entropy_coef=0.01)
 
 
@@ -153,6 +161,15 @@ def _worker(rank: int, port: int, model_dir: str, tmp: str, queue: Any) -> None:
         resumed.load_checkpoint(str(Path(tmp) / "ckpt"))
         result["resumed_step2"] = objective_step(resumed, batch, micro=2)
         result["resumed_weights2"] = resumed.state_dict()
+        # LoRA: sharded adapters over frozen sharded base weights, merged on the way out; exact resume
+        torch.manual_seed(5)
+        lora = FSDPBackend(model_dir, LORA_TRAINER, ModelConfig())
+        result["lora"] = trajectory(lora, batch, Path(tmp) / "lora_ckpt")
+        torch.manual_seed(99)
+        resumed = FSDPBackend(model_dir, LORA_TRAINER, ModelConfig())
+        resumed.load_checkpoint(str(Path(tmp) / "lora_ckpt"))
+        result["lora"] |= {"resumed_step2": objective_step(resumed, batch, micro=2)}
+        result["lora"] |= {"resumed_weights2": resumed.state_dict()}
         torch.save(result, Path(tmp) / f"result{rank}.pt")  # tensors outlive the process, unlike a queue's
     except Exception:
         queue.put((rank, traceback.format_exc()))
@@ -189,6 +206,10 @@ def single(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
         str(tiny_model_dir), dataclasses.replace(TRAINER, fsdp=False, dp_size=1), ModelConfig()
     )
     out = trajectory(backend, batch, tmp_path_factory.mktemp("single") / "ckpt")
+    torch.manual_seed(5)
+    lora_trainer = dataclasses.replace(LORA_TRAINER, fsdp=False, dp_size=1)
+    lora = TorchBackend(str(tiny_model_dir), lora_trainer, ModelConfig())
+    out["lora"] = trajectory(lora, batch, tmp_path_factory.mktemp("single_lora") / "ckpt")
     return out | {"critic": critic_trajectory(Critic(critic_config(), str(tiny_model_dir)), batch)}
 
 
@@ -308,3 +329,18 @@ def test_hf_export_gathers_full_weights(sharded) -> None:
     want = sharded[0]["weights2"]
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, want[name]), name
+
+
+def test_lora_two_ranks_match_one_rank_and_resume_exactly(sharded, single) -> None:
+    """``trainer.lora`` with FSDP: the sharded adapters take the unsharded backend's steps, the merged weights
+    leave under the base names, and the adapter-only checkpoint resumes exactly."""
+    want = single["lora"]
+    assert sorted(want["weights2"]) == sorted(single["weights2"])  # the base model's names
+    for rank in range(WORLD):
+        got = sharded[rank]["lora"]
+        for step in ("step1", "step2"):
+            assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5, abs=1e-6)
+            assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5)
+        _assert_weights_close(got["weights2"], want["weights2"])
+        assert got["resumed_step2"] == got["step2"]
+        _assert_weights_equal(got["resumed_weights2"], got["weights2"])

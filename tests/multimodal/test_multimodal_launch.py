@@ -123,7 +123,7 @@ RECIPES = {
         "cluster.name": "slurm",
         "cluster.nodes": 2,
         "cluster.gpus_per_node": 8,
-        "rollout.num_engines": 15,
+        "rollout.num_engines": 8,
     },
 }
 
