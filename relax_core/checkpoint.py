@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from relax_core.errors import RelaxUserError, disk_full
+from relax_core.errors import RelaxUserError, disk_full, nonfinite_weights_error
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 META = "meta.json"
@@ -219,6 +219,15 @@ def _fsync_dir(path: Path) -> None:
 # ---------------------------------------------------------------- a run's state (driver side)
 
 
+def refuse_nonfinite_policy(roles, path: str | os.PathLike) -> None:
+    """Raise :class:`RunFailedError` here, in the driver, before ``path`` is written from an Actor whose
+    weights hold NaN or inf: the Actor refuses too, but its error reaches the command line under Ray's
+    ``ray::...`` header instead of as one line naming the cause."""
+    count, example = roles.actor.call_collective("count_nonfinite_weights")
+    if count:
+        raise nonfinite_weights_error(str(path), count, example)
+
+
 def save_run(roles, manager: CheckpointManager, step: int, driver: dict[str, Any]) -> Path:
     """Checkpoint every stateful piece of a run after ``step``: the Actor (model, optimizer, scheduler,
     RNG), the Critic and the Reference's weights when there are, each rollout engine's sampling RNG, and ``driver`` — the run
@@ -238,6 +247,7 @@ def save_run(roles, manager: CheckpointManager, step: int, driver: dict[str, Any
         handles.get(trainers)
         return {"rollout_replicas": len(rng_states)}
 
+    refuse_nonfinite_policy(roles, manager.root / f"step_{step:06d}")
     path = manager.save(step, write)
     log.info("checkpoint saved: %s", path)
     return path

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_core import handles
+from relax_core.errors import RunFailedError
 from relax_core.ray_errors import GetTimeoutError, RayActorError, WorkerCrashedError
 from relax_core.ray_groups import RoleGroup
 
@@ -38,10 +39,6 @@ log = logging.getLogger("relax")
 # losing one of these cannot be repaired in place: their optimizer state lives only in the process
 GLOBAL_ROLES = ("actor", "critic")
 ACTOR_FAILURES = (RayActorError, WorkerCrashedError)
-
-
-class RunFailedError(RuntimeError):
-    """The run cannot continue: recoveries are exhausted. The message is the failure report."""
 
 
 def reward_problem(value: float, max_abs: float) -> str | None:

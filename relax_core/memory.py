@@ -7,11 +7,17 @@ is built and no weight is read. The arithmetic follows what the code allocates:
 - trainable roles (Actor, Critic) keep fp32 master weights, fp32 gradients and two fp32 AdamW moments
   (backends/torch_backend.py); FSDP divides all three by ``trainer.dp_size``; megatron holds the model in
   ``model.dtype`` plus fp32 main params, gradients and moments, each divided over tensor/expert ranks;
+  with ``trainer.lora.rank`` (torch/FSDP policy) the base stays in fp32, frozen, and only the adapters
+  (``rank x (in + out)`` per adapted ``target_modules`` layer, relax_models/lora.py) get gradients and
+  AdamW state;
 - activations at ``trainer.micro_batch_size`` rows of ``data.max_prompt_len + rollout.max_new_tokens``
-  tokens (rows are right-padded to the longest), per layer everything the backward keeps, or only the layer
-  inputs plus one recomputed layer with ``model.gradient_checkpointing``;
-- logit buffers: the model's ``[B, L, V]`` logits and the fp32 copies ``algorithms/logprobs.py`` makes of
-  the response positions (cast, log-softmax, its exp, and their gradients);
+  tokens (rows are right-padded to the longest), or, with ``trainer.max_tokens_per_micro_batch`` (torch
+  backend), at that many tokens (a longer row trains alone), per layer everything the backward keeps, or
+  only the layer inputs plus one recomputed layer with ``model.gradient_checkpointing``;
+- logit buffers: the model's ``[B, L, V]`` logits (packed Qwen3 rows: only the response positions'), the
+  ``[B, R, V]`` response positions gathered from them, and the fp32 work of ``algorithms/logprobs.py``:
+  several fp32 copies of the response positions (cast, log-softmax, its exp, and their gradients) below
+  ``CHUNK_BYTES``, above it four fp32 buffers of one chunk (and, packed, the logits' gradient);
 - the torch engine's KV cache: ``[layers, slots, kv_heads, T, head_dim]`` twice, slots = the samples it is
   sent (at most ``rollout.max_running``, at least 8), T = prompt + response rounded up to 64
   (engines/torch_engine.py); vLLM/SGLang reserve ``rollout.memory_fraction`` of their GPU;
@@ -94,6 +100,8 @@ class Arch:
     moe_intermediate_size: int = 0
     # vision / audio encoders (dense, trained with the model)
     tower_params: int = 0
+    # their linear layers LoRA's target_modules may name: (attribute name, in, out, count)
+    tower_linears: tuple[tuple[str, int, int, int], ...] = ()
 
     @property
     def q_dim(self) -> int:
@@ -117,6 +125,27 @@ class Arch:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + self.expert_params + embed + h + self.tower_params
 
+    def decoder_linears(self) -> list[tuple[str, int, int, int]]:
+        """A decoder layer's ``nn.Linear`` layers, by attribute name: (name, in, out, layers). MoE experts
+        are fused 3-D parameters in transformers 5 (no ``nn.Linear``; the router is ``gate``), so a MoE
+        layer offers its attention projections only."""
+        h, q, kv, n = self.hidden_size, self.q_dim, self.kv_dim, self.num_layers
+        out = [("q_proj", h, q, n), ("k_proj", h, kv, n), ("v_proj", h, kv, n), ("o_proj", q, h, n)]
+        if not self.num_experts:
+            i = self.intermediate_size
+            out += [("gate_proj", h, i, n), ("up_proj", h, i, n), ("down_proj", i, h, n)]
+        return out
+
+    def linears(self) -> list[tuple[str, int, int, int]]:
+        """Every ``nn.Linear`` LoRA's ``target_modules`` can name (the LM head is ``lm_head``, never a
+        target): the decoder's and the encoder towers'."""
+        return self.decoder_linears() + list(self.tower_linears)
+
+    def lora_params(self, rank: int, target_modules: Any) -> int:
+        """Adapter parameters ``apply_lora`` adds: ``rank x (in + out)`` per adapted layer."""
+        targets = set(target_modules)
+        return rank * sum(count * (i + o) for name, i, o, count in self.linears() if name in targets)
+
     def activation_elems(self) -> int:
         """Elements one token leaves per layer for the backward: the residual stream and norm outputs,
         q/k/v and the attention output, the MLP's gate, up, activation and product (the routed experts'
@@ -129,19 +158,28 @@ class Arch:
         return 4 * self.hidden_size + 2 * self.q_dim + 2 * self.kv_dim + 4 * mlp + self.num_experts
 
 
-def _tower_params(cfg: dict[str, Any]) -> int:
-    """Dense encoder towers: depth x (attention 4h^2 + MLP 2hI)."""
-    total = 0
+def _tower_linears(cfg: dict[str, Any]) -> list[tuple[str, int, int, int]]:
+    """The dense encoder towers' per-block linear layers (Qwen3-VL vision blocks, the Omni audio encoder's
+    layers), named as transformers names them."""
+    out = []
     vision = cfg.get("vision_config") or {}
     if vision:
         h, i = vision.get("hidden_size", 0), vision.get("intermediate_size", 0)
-        total += vision.get("depth", vision.get("num_hidden_layers", 0)) * (4 * h * h + 2 * h * i)
+        n = vision.get("depth", vision.get("num_hidden_layers", 0))
+        out += [("qkv", h, 3 * h, n), ("proj", h, h, n), ("linear_fc1", h, i, n), ("linear_fc2", i, h, n)]
     audio = cfg.get("audio_config") or {}
     if audio:
         d = audio.get("d_model", audio.get("hidden_size", 0))
         ffn = audio.get("encoder_ffn_dim", audio.get("intermediate_size", 0))
-        total += audio.get("encoder_layers", audio.get("num_hidden_layers", 0)) * (4 * d * d + 2 * d * ffn)
-    return total
+        n = audio.get("encoder_layers", audio.get("num_hidden_layers", 0))
+        out += [(name, d, d, n) for name in ("q_proj", "k_proj", "v_proj", "out_proj")]
+        out += [("fc1", d, ffn, n), ("fc2", ffn, d, n)]
+    return out
+
+
+def _tower_params(cfg: dict[str, Any]) -> int:
+    """Dense encoder towers: depth x (attention 4h^2 + MLP 2hI)."""
+    return sum(count * i * o for _, i, o, count in _tower_linears(cfg))
 
 
 def arch_from_config(cfg: dict[str, Any]) -> Arch:
@@ -162,6 +200,7 @@ def arch_from_config(cfg: dict[str, Any]) -> Arch:
         experts_per_token=text.get("num_experts_per_tok", 0) or 0,
         moe_intermediate_size=text.get("moe_intermediate_size", 0) or 0,
         tower_params=_tower_params(cfg),
+        tower_linears=tuple(_tower_linears(cfg)),
     )
 
 
@@ -219,9 +258,11 @@ class Device:
 HINTS = {
     "weights": "shard the trainer (trainer=fsdp trainer.dp_size=N, or trainer.megatron.tensor) or use more GPUs",
     "gradients": "shard the trainer (trainer=fsdp trainer.dp_size=N, or trainer.megatron.tensor)",
-    "optimizer": "shard the trainer (trainer=fsdp trainer.dp_size=N, or trainer.megatron.tensor)",
-    "activations": "set model.gradient_checkpointing=true or lower trainer.micro_batch_size",
-    "logits": "lower trainer.micro_batch_size (or rollout.max_new_tokens)",
+    "optimizer": "shard the trainer (trainer=fsdp trainer.dp_size=N, or trainer.megatron.tensor), "
+    "or train LoRA adapters (trainer.lora.rank=8)",
+    "activations": "set model.gradient_checkpointing=true or lower trainer.micro_batch_size "
+    "(trainer.max_tokens_per_micro_batch)",
+    "logits": "lower trainer.micro_batch_size or trainer.max_tokens_per_micro_batch (or rollout.max_new_tokens)",
     "kv_cache": "lower rollout.max_running (samples decoded at once) or rollout.max_new_tokens, "
     "or set rollout.dtype=bfloat16",
     "engine_weights": "set rollout.dtype=bfloat16 or rollout.tensor_parallel_size",
@@ -333,21 +374,81 @@ def _seq(cfg: Any) -> tuple[int, int]:
     return cfg.data.max_prompt_len, cfg.rollout.max_new_tokens
 
 
-def _activations(cfg: Any, arch: Arch, rows: int, cb: int, checkpointing: bool, tp: int) -> float:
+# families whose micro-batches the torch backend packs into one padding-free sequence
+# (torch_backend.PACKED_FAMILIES; not imported: that module loads transformers)
+PACKED_FAMILIES = ("qwen3", "qwen3_moe")
+
+
+def _token_budget(cfg: Any, role: str) -> tuple[float | None, bool]:
+    """With ``trainer.max_tokens_per_micro_batch`` (torch backend, not FSDP; not the Critic, whose backend
+    takes ``algorithm.critic.micro_batch_size`` rows): the rows of a micro-batch at full length that its
+    budget holds (fractional: the budget's tokens are what counts; a row longer than the budget trains
+    alone), and whether the rows are packed (Qwen3 text: logits only at response positions). Else
+    ``(None, False)``. Exact for rows at full length; ``pack_rows`` keeps a group's rows x its longest
+    response, so a group of many short responses beside one long one holds more logits than sized here."""
+    t = cfg.trainer
+    budget = t.max_tokens_per_micro_batch
+    if not budget or t.backend != "torch" or t.fsdp or role.startswith("critic"):
+        return None, False
+    length = sum(_seq(cfg))
+    packed = cfg.model.family in PACKED_FAMILIES and cfg.modality.name == "text"
+    return max(budget, length) / length, packed
+
+
+def _lora(cfg: Any, role: str) -> Any:
+    """``trainer.lora`` when the policy trains adapters (torch/FSDP; the Critic never does), else None."""
+    lora = getattr(cfg.trainer, "lora", None)
+    if lora is None or not lora.rank or cfg.trainer.backend != "torch" or not role.startswith("actor"):
+        return None
+    return lora
+
+
+def _lora_activation_bytes(arch: Arch, lora: Any, cb: int) -> float:
+    """What the adapters add per token and decoder layer for the backward: the rank-wide ``x Aᵀ`` of each
+    adapted layer, and with dropout its dropped input and mask (the base layer's input is shared)."""
+    targets = set(lora.target_modules)
+    per_layer = [(i, o) for name, i, o, _ in arch.decoder_linears() if name in targets]
+    extra = len(per_layer) * lora.rank * cb
+    if lora.dropout:
+        extra += sum(i for i, _ in per_layer) * (cb + 1)
+    return float(extra)
+
+
+def _activations(
+    cfg: Any, arch: Arch, rows: float, cb: int, checkpointing: bool, tp: int, extra: float = 0.0
+) -> float:
+    """``extra``: bytes per token and layer beyond the layer's own (LoRA's)."""
     prompt, response = _seq(cfg)
     tokens = rows * (prompt + response)
-    per_layer = arch.activation_elems() * cb / tp
+    per_layer = arch.activation_elems() * cb / tp + extra
     if checkpointing:  # layer inputs kept, one layer recomputed at a time
         return tokens * (arch.num_layers * arch.hidden_size * cb + per_layer)
     return tokens * arch.num_layers * per_layer
 
 
-def _logits(cfg: Any, arch: Arch, rows: int, cb: int, backward: bool) -> float:
-    """The model's logits, and logprobs.py's fp32 response copies (cast, log-softmax, exp; gradients)."""
+def _logits(cfg: Any, arch: Arch, rows: float, cb: int, backward: bool, packed: bool = False) -> float:
+    """Logit buffers at their peak (algorithms/logprobs.py). Padded rows: the model's ``[B, L, V]``
+    logits plus the ``[B, R, V]`` response positions gathered from them; packed rows: the model computes
+    only the ``B·R`` response positions. Then, at up to ``CHUNK_BYTES`` of fp32 ``[B·R, V]`` work, the
+    plain autograd path: fp32 copies of all response positions (cast, log-softmax, exp, their product;
+    three more in the backward). Above it the chunked path: the forward holds four fp32 ``[rows, V]``
+    buffers of one chunk (cast, log-softmax, exp, product) and saves only the logits; its backward writes
+    one ``[B·R, V]`` gradient in the logits' dtype beside them (at most three chunk buffers), by which
+    time padded rows' full logits are gone (the gather's gradient then takes their place)."""
+    from relax_core.algorithms.logprobs import CHUNK_BYTES
+
     prompt, response = _seq(cfg)
-    full = rows * (prompt + response) * arch.vocab_size * cb
-    copies = 3 + 3 * backward
-    return full + rows * response * arch.vocab_size * (cb + 4 * copies)
+    v = arch.vocab_size
+    positions = rows * response
+    full = 0.0 if packed else rows * (prompt + response) * v * cb
+    chunk_rows = max(1, CHUNK_BYTES // (4 * v))
+    if positions <= chunk_rows:  # unchunked
+        copies = 3 + 3 * backward
+        return full + positions * v * (cb + 4 * copies)
+    chunk = chunk_rows * v * 4
+    if packed and backward:  # the saved logits and their gradient; three chunk buffers
+        return 2 * positions * v * cb + 3 * chunk
+    return full + positions * v * cb + 4 * chunk
 
 
 def trainer_memory(cfg: Any, arch: Arch, role: str, trainable: bool, rows: int | None = None) -> RoleMemory:
@@ -357,19 +458,32 @@ def trainer_memory(cfg: Any, arch: Arch, role: str, trainable: bool, rows: int |
     params, how = _shards(cfg, arch)
     megatron = t.backend == "megatron"
     tp = t.megatron.tensor if megatron else 1
-    rows = rows or t.micro_batch_size
+    budget_rows, packed = _token_budget(cfg, role)
+    rows = budget_rows or rows or t.micro_batch_size
+    if budget_rows:
+        how += f", {t.max_tokens_per_micro_batch} tokens/micro-batch" + (" packed" if packed else "")
     ckpt = bool(m.gradient_checkpointing)
     if trainable:
-        weights = params * (cb + 4 if megatron and cb < 4 else 4)  # megatron: model dtype + fp32 main params
-        if not megatron and cb < 4:  # autocast keeps a model.dtype copy of each weight through the backward
+        lora = _lora(cfg, role)
+        # LoRA: the frozen base in fp32 beside fp32 adapters, sharded alike; only the adapters train
+        adapters = arch.lora_params(lora.rank, lora.target_modules) if lora else 0
+        trained = adapters * params / arch.params if lora else params
+        held = params + trained if lora else params
+        weights = held * (cb + 4 if megatron and cb < 4 else 4)  # megatron: model dtype + fp32 main params
+        # autocast keeps a model.dtype copy of each weight through the backward (frozen ones too: the
+        # backward to the adapters below needs it)
+        if not megatron and cb < 4:
             weights += (arch.params / arch.num_layers * 2 if t.fsdp else params) * cb
+        extra = _lora_activation_bytes(arch, lora, cb) if lora else 0.0
         items = {
             "weights": weights,
-            "gradients": params * 4,
-            "optimizer": params * 8,
-            "activations": _activations(cfg, arch, rows, cb, ckpt, tp),
+            "gradients": trained * 4,
+            "optimizer": trained * 8,
+            "activations": _activations(cfg, arch, rows, cb, ckpt, tp, extra),
         }
-        other = _activations(cfg, arch, rows, cb, not ckpt, tp)
+        other = _activations(cfg, arch, rows, cb, not ckpt, tp, extra)
+        if lora:
+            how += f", LoRA r{lora.rank}: {adapters / 1e6:,.1f} M trained"
     else:
         items = {
             "weights": params * cb,
@@ -380,7 +494,7 @@ def trainer_memory(cfg: Any, arch: Arch, role: str, trainable: bool, rows: int |
     if role.startswith("critic"):
         items["logits"] = 0.0  # a scalar value head
     else:
-        items["logits"] = _logits(cfg, arch, rows, cb, trainable)
+        items["logits"] = _logits(cfg, arch, rows, cb, trainable, packed)
     return RoleMemory(f"{role} ({how})", items, other, ckpt)
 
 

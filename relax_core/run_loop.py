@@ -19,6 +19,7 @@ from relax_core.checkpoint import (
     STOP_REQUEST,
     CheckpointManager,
     checkpoint_root,
+    refuse_nonfinite_policy,
     resolve_resume,
     restore_run,
     rewind_sink,
@@ -293,9 +294,13 @@ class RunLoop:
         cfg, t = self.cfg, self.cfg.trainer
         rewards = [r["reward/mean"] for r in self.sink.history if "reward/mean" in r]
         if t.export_final_model:
-            self.health.guarded(
-                lambda: self.mode.roles.actor.call_collective("export_hf", f"{cfg.output_dir}/final_model")
-            )
+            final_model = f"{cfg.output_dir}/final_model"
+
+            def export() -> None:
+                refuse_nonfinite_policy(self.mode.roles, final_model)
+                self.mode.roles.actor.call_collective("export_hf", final_model)
+
+            self.health.guarded(export)
         final_eval = self.sink.history[-1] if self.sink.history else {}
         if not any(k.startswith("eval/") for k in final_eval):
             final_eval = self.health.guarded(lambda: self.evaluate(t.total_steps))

@@ -566,11 +566,7 @@ class AsyncMode(Mode):
 
     def _step_metrics(self, info: dict[str, Any]) -> StepMetrics:
         parts = info["rollout"]
-        samples = [
-            Sample(0, 0, [], [], [], [], reward=rw, reward_extras=ex)
-            for p in parts
-            for rw, ex in zip(p["rewards"], p["extras"], strict=True)
-        ]
+        samples = part_samples(parts)
         train = info["train"]
         tokens = sum(sum(p["lens"]) for p in parts)
         put_s = sum(p["put_s"] for p in parts)
@@ -605,6 +601,22 @@ class AsyncMode(Mode):
                 [rw for p in parts for rw in p["generated_rewards"]],
             )
         return metrics
+
+
+def part_samples(parts: list[dict[str, Any]]) -> list[Sample]:
+    """The reward side of the samples Rollout.produce wrote (rewards, extras, and each reward error with
+    its sample's id), enough for :func:`reward_metrics`, which quotes an error for the TrainingGuard."""
+    samples = []
+    for p in parts:
+        rebuilt = [
+            Sample(0, 0, [], [], [], [], reward=rw, reward_extras=ex)
+            for rw, ex in zip(p["rewards"], p["extras"], strict=True)
+        ]
+        for i, group_id, index, error in p["errors"]:
+            rebuilt[i].group_id, rebuilt[i].index_in_group = group_id, index
+            rebuilt[i].metadata = {"reward_error": error}
+        samples += rebuilt
+    return samples
 
 
 def overlap_metrics(rollout_s: float, busy_s: float, publish_s: float, interval_s: float) -> StepMetrics:

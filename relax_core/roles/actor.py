@@ -16,7 +16,7 @@ from relax_core.backends import build_backend
 from relax_core.backends.base import SKIPPED_STEPS
 from relax_core.databus import DataBus, PartitionCancelled, partition_name, sample_key
 from relax_core.databus.stages import MicroStream, score_stage
-from relax_core.health import RunFailedError
+from relax_core.errors import nonfinite_weights_error
 from relax_core.placement import data_parallel_size
 from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
@@ -219,18 +219,21 @@ class Actor(WeightSource, WeightReceiver):
         self.check_finite_weights(path)
         self.backend.export_hf(path)
 
-    def check_finite_weights(self, path: str) -> None:
-        """Refuse to write ``path`` from NaN/inf weights (collective: every rank counts its shards, so all
-        ranks raise together)."""
+    def count_nonfinite_weights(self) -> tuple[int, str | None]:
+        """How many policy weight tensors hold NaN or inf, summed over the ranks (collective), and the name
+        of one on this rank. The driver checks it before a save or export, so that the run ends with its own
+        one-line error rather than one raised in here, which Ray would wrap under its own header."""
         bad = self.backend.nonfinite_weights()
         count = len(bad)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             total = torch.tensor([count], device=getattr(self.backend, "device", None))
             dist.all_reduce(total)
             count = int(total.item())
+        return count, (bad[0] if bad else None)
+
+    def check_finite_weights(self, path: str) -> None:
+        """Refuse to write ``path`` from NaN/inf weights, also when called other than from the run loop
+        (collective: all ranks raise together)."""
+        count, example = self.count_nonfinite_weights()
         if count:
-            example = f" (e.g. {bad[0]!r})" if bad else ""
-            raise RunFailedError(
-                f"not writing {path}: {count} policy weight tensor(s) hold NaN or inf{example}; "
-                "the run's training diverged"
-            )
+            raise nonfinite_weights_error(path, count, example)

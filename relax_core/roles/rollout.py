@@ -161,7 +161,7 @@ class Rollout(WeightReceiver):
         r, a = self.cfg.rollout, self.cfg.algorithm
         n, chunk = r.n_samples_per_prompt, self.cfg.mode.rollout_chunk_prompts or len(prompts)
         out: dict[str, Any] = {"rewards": [], "extras": [], "lens": [], "versions": [], "put_s": 0.0}
-        out |= {"filled": [], "kept_groups": 0, "generated_groups": 0, "generated_rewards": []}
+        out |= {"filled": [], "errors": [], "kept_groups": 0, "generated_groups": 0, "generated_rewards": []}
         free, spare = list(slots), []
         t0 = time.perf_counter()
         for c in range(0, len(prompts), chunk):
@@ -198,6 +198,12 @@ class Rollout(WeightReceiver):
         self.bus.put(partition_name(step), [sample_key(g * n + j) for g in used for j in range(n)], fields)
         out["put_s"] += time.perf_counter() - t
         out["filled"] += used
+        # the reward errors with their samples' ids (the rewards above carry only 0), for the stop message
+        out["errors"] += [
+            (len(out["rewards"]) + i, s.group_id, s.index_in_group, s.metadata["reward_error"])
+            for i, s in enumerate(samples)
+            if (s.metadata or {}).get("reward_error")
+        ]
         out["rewards"] += [s.reward for s in samples]
         out["extras"] += [s.reward_extras for s in samples]
         out["lens"] += [len(s.response_ids) for s in samples]

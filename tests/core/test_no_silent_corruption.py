@@ -4,13 +4,19 @@ skipped, runs training on nothing valid stop with one line, and NaN weights are 
 from __future__ import annotations
 
 import math
+import re
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
+from relax_core.checkpoint import CheckpointManager, save_run
 from relax_core.data import generate_synthetic, load_prompts
+from relax_core.databus import InMemoryDataBus
 from relax_core.health import RunFailedError
+from relax_core.modes.base import ERROR_EXAMPLE, RoleGroups, reward_metrics
+from relax_core.ray_groups import RoleGroup
 from relax_core.roles.actor import Actor
 from relax_core.roles.rollout import Rollout
 from relax_core.run_loop import RunLoop
@@ -30,14 +36,20 @@ def test_rollout_scores_an_out_of_range_reward_as_a_counted_error(make_cfg, tiny
     cfg = make_cfg("rollout.max_new_tokens=4", huge_reward(tmp_path))
     train_path, _ = generate_synthetic(cfg.data, tmp_path / "data", seed=3)
     prompts = load_prompts(train_path, cfg.data, load_tokenizer(str(tiny_model_dir)))[0][:2]
-    rollout = Rollout(cfg, str(tiny_model_dir))
+    rollout = Rollout(cfg, str(tiny_model_dir), bus=InMemoryDataBus())
     try:
         samples = rollout.generate(prompts)
+        part = rollout.produce(1, prompts, [0, 1])  # what mode=async builds its step's reward metrics from
     finally:
         rollout.shutdown()
     assert all(s.reward == 0.0 and s.reward_extras["reward_error"] == 1.0 for s in samples)
     assert "reward.max_abs=1e+06" in samples[0].metadata["reward_error"]
     assert "reward_error" not in prompts[0].metadata  # the prompt's shared dict is left alone
+    # mode=async's step metrics quote an example error too, for the TrainingGuard's stop message
+    from relax_core.modes.asynchronous import part_samples  # imports Ray
+
+    example = reward_metrics(part_samples([part]))[ERROR_EXAMPLE]
+    assert re.fullmatch(r"sample \d+:\d+: reward 1e\+300 is outside .*reward\.max_abs=1e\+06.*", example)
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
@@ -68,6 +80,45 @@ def test_actor_refuses_to_write_nan_weights(make_cfg, tiny_model_dir, tmp_path):
         with pytest.raises(RunFailedError, match="NaN or inf"):
             write(str(target))
         assert not target.exists()
+
+
+def raised_in_driver(err: BaseException) -> bool:
+    """Raised by driver code, not inside a role: under Ray a role's error reaches the command line wrapped
+    under Ray's ``ray::...`` header, the driver's own as the one line it is."""
+    return "relax_core/roles/" not in traceback.extract_tb(err.__traceback__)[-1].filename
+
+
+def test_driver_refuses_to_checkpoint_nan_weights(make_cfg, tiny_model_dir, tmp_path):
+    roles = RoleGroups(actor=RoleGroup(Actor, "actor", 1, None, [0], 0, 0, (make_cfg(), str(tiny_model_dir))))
+    with torch.no_grad():
+        next(roles.actor.actors[0].role.backend.model.parameters()).fill_(float("inf"))
+    with pytest.raises(
+        RunFailedError, match=r"not writing .*step_000003: 1 policy weight tensor\(s\)"
+    ) as err:
+        save_run(roles, CheckpointManager(tmp_path / "ckpt", 1, 2), 3, {})
+    assert raised_in_driver(err.value) and len(str(err.value).splitlines()) == 1
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_run_whose_weights_diverge_writes_no_final_model(make_cfg, tiny_model_dir, tmp_path):
+    # a real divergence: AdamW's first step at this lr and decay (both still float32 scalars) takes the unit
+    # norm weights past float32's range, from a finite loss and gradient norm (so the step is not skipped)
+    cfg = make_cfg(
+        "cluster=in_process",
+        "logger=jsonl",
+        f"model.path={tiny_model_dir}",
+        "trainer.total_steps=1",
+        "trainer.sft_warmup_steps=0",
+        "trainer.eval_every=0",
+        "trainer.export_final_model=true",
+        "trainer.lr=3e37",
+        "trainer.weight_decay=11",
+        "rollout.max_new_tokens=4",
+    )
+    with pytest.raises(RunFailedError, match=r"not writing .*final_model: \d+ policy weight tensor") as err:
+        RunLoop(cfg, {}).run()
+    assert raised_in_driver(err.value) and len(str(err.value).splitlines()) == 1
+    assert not (tmp_path / "final_model").exists()
 
 
 def test_guard_stops_after_consecutive_bad_steps(make_cfg):

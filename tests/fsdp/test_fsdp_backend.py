@@ -8,6 +8,7 @@ the same steps on the same global batch in the test process.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import traceback
 from pathlib import Path
@@ -59,16 +60,27 @@ def make_batch(tokenizer) -> TrainBatch:
     return batch
 
 
-def objective_step(backend, batch: TrainBatch, micro: int) -> dict[str, float]:
-    """One optimizer step the way the Actor takes it: micro-batch weights from the *global* batch."""
+def objective_step(backend, batch: TrainBatch, micro: int, scale: float = 1.0) -> dict[str, float]:
+    """One optimizer step the way the Actor takes it: micro-batch weights from the *global* batch (the
+    loss times ``scale``)."""
     total_tokens, total_seqs = float(batch.loss_mask.sum()), sequence_count(batch, ALGO)
 
     def loss_fn(mb, logprobs, entropy):
-        return policy_objective(
-            mb, logprobs, entropy, ALGO, micro_batch_weight(mb, total_tokens, total_seqs, ALGO)
-        )
+        weight = micro_batch_weight(mb, total_tokens, total_seqs, ALGO)
+        loss, metrics = policy_objective(mb, logprobs, entropy, ALGO, weight)
+        return loss * scale, metrics
 
     return backend.train_step(batch, loss_fn, micro)
+
+
+def nonfinite_step(backend, batch: TrainBatch, rank: int) -> dict[str, Any]:
+    """A step whose loss is NaN on rank 1 only: the reduced loss and the global gradient norm are NaN on
+    every rank, so every rank must skip the update (a rank that stepped alone would change the gathered
+    weights). The step's metrics, and whether the weights stayed exactly as they were."""
+    before = backend.state_dict()
+    metrics = objective_step(backend, batch, micro=2, scale=float("nan") if rank == 1 else 1.0)
+    after = backend.state_dict()
+    return {"metrics": metrics, "unchanged": all(torch.equal(after[k], v) for k, v in before.items())}
 
 
 def trajectory(backend, batch: TrainBatch, checkpoint: Path) -> dict[str, Any]:
@@ -143,6 +155,7 @@ def _worker(rank: int, port: int, model_dir: str, tmp: str, queue: Any) -> None:
         result["bucket_names"] = [name for b in buckets for name in b]
         result["local_numel"] = sum(p.to_local().numel() for p in backend.model.parameters())
         backend.export_hf(str(Path(tmp) / "export"))
+        result["nonfinite"] = nonfinite_step(backend, batch, rank)
         # the Reference of a colocate run with trainer.fsdp: frozen, sharded over the same number of ranks
         reference = build_backend(
             "torch", model_dir, TRAINER, ModelConfig(), 1.0, 0, trainable=False, sharded=True
@@ -301,6 +314,13 @@ def test_bf16_shards_and_adamw_state_stay_fp32_under_a_bf16_forward(sharded) -> 
         assert got["forward_dtypes"] == {torch.bfloat16}
         assert got["moved"] > 0.9 and got["max_delta"] <= 1.2 * BF16_TRAINER.lr
         assert got["weight_dtypes"] == {torch.bfloat16}
+
+
+def test_ranks_skip_a_non_finite_update_together(sharded) -> None:
+    for rank in range(WORLD):
+        got = sharded[rank]["nonfinite"]
+        assert got["metrics"]["train/skipped_steps"] == 1.0 and got["unchanged"]
+        assert math.isnan(got["metrics"]["loss"]) and math.isnan(got["metrics"]["grad_norm"])
 
 
 def test_sharded_checkpoint_resumes_exactly(sharded) -> None:

@@ -28,6 +28,7 @@ from test_fsdp_backend import (  # the sharded-vs-single trajectory of the gloo 
     critic_config,
     critic_trajectory,
     make_batch,
+    nonfinite_step,
     objective_step,
     single,  # noqa: F401 (a fixture)
 )
@@ -83,6 +84,7 @@ def _run_call_sites(rank: int, model_dir: str, tmp: Path) -> tuple[dict[str, Any
     site("step2", lambda: objective_step(backend, batch, micro=2))
     site("weights2", backend.state_dict)
     site("sum_over_ranks", lambda: backend.sum_over_ranks([float(rank), 0.5]))
+    site("nonfinite", lambda: nonfinite_step(backend, batch, rank))  # the skip decided on the device
 
     def resume() -> dict[str, float]:
         resumed = FSDPBackend(model_dir, TRAINER, ModelConfig())
@@ -174,6 +176,11 @@ def test_fsdp_actor_scores_trains_and_publishes_like_one_cpu_rank(twin, single) 
                 # gradient is near zero
                 torch.testing.assert_close(r[weights][name], want, rtol=1e-5, atol=TRAINER.lr / 20, msg=name)
     assert _site(twin, "sum_over_ranks") == [[1.0, 1.0]] * WORLD  # the streamed step's totals
+
+
+def test_fsdp_ranks_skip_a_non_finite_update_together_on_the_device(twin) -> None:
+    for got in _site(twin, "nonfinite"):
+        assert got["metrics"]["train/skipped_steps"] == 1.0 and got["unchanged"]
 
 
 def test_fsdp_checkpoint_saves_and_resumes_exactly(twin) -> None:

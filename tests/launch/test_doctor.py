@@ -92,7 +92,8 @@ def test_doctor_prints_the_default_experiment(capsys: pytest.CaptureFixture[str]
 
 @pytest.mark.parametrize("recipe", ["dapo_math_qwen3_4b", "openr1_qwen3_vl_4b", "avqa_qwen3_omni_30b"])
 def test_shipped_recipes_fit_their_gpus(recipe: str) -> None:
-    report = estimate(_cfg([f"experiment={recipe}"]))
+    node = [] if recipe == "avqa_qwen3_omni_30b" else ["cluster.num_gpus=8"]  # its Slurm job names its nodes
+    report = estimate(_cfg([f"experiment={recipe}", *node]))
     assert report.gpu and report.capacity == 80 * GB
     assert report.fits, report.table()
 
@@ -116,3 +117,94 @@ def test_launcher_refuses_an_oversized_gpu_config_before_anything_starts() -> No
     # on bigger GPUs the memory check passes and the next one speaks (this config has no weights)
     with pytest.raises(RelaxUserError, match="needs its weights"):
         validate(_cfg([*OVERSIZED, "cluster.gpu_memory_gb=1000"]))
+
+
+# the hand-sized model above: hidden 4, q 2x2, kv 1x2, MLP 8, 2 layers, vocab 10, tied (356 parameters)
+SMALL = {
+    "vocab_size": 10,
+    "hidden_size": 4,
+    "intermediate_size": 8,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 2,
+    "tie_word_embeddings": True,
+}
+SHORT = ["data.max_prompt_len=12", "rollout.max_new_tokens=4", "trainer.micro_batch_size=2"]
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_lora_parameter_count_matches_apply_lora(moe: bool) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from relax_core.config import LoRAConfig
+    from relax_models.lora import apply_lora, is_adapter
+
+    extra = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24} if moe else {}
+    config = AutoConfig.for_model("qwen3_moe" if moe else "qwen3", **SMALL, **extra)
+    lora = LoRAConfig(rank=3)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    real = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
+    assert arch_from_config(config.to_dict()).lora_params(lora.rank, lora.target_modules) == real
+
+
+def test_lora_trains_only_the_adapters_by_hand() -> None:
+    arch = arch_from_config(SMALL)
+    full = trainer_memory(_cfg(SHORT), arch, "actor", trainable=True)
+    m = trainer_memory(_cfg([*SHORT, "trainer.lora.rank=2"]), arch, "actor", trainable=True)
+    # rank x (in + out) per layer: q 4+4, k 4+2, v 4+2, o 4+4, gate 4+8, up 4+8, down 8+4 = 64; 2 layers
+    adapters = 2 * 64 * 2
+    assert adapters == 256
+    assert m.items["optimizer"] == 8 * adapters and full.items["optimizer"] - m.items["optimizer"] == 8 * 100
+    assert m.items["gradients"] == 4 * adapters
+    assert m.items["weights"] == 4 * (356 + adapters)  # the fp32 base stays, the adapters beside it
+    # per token and layer the adapters keep 7 rank-wide x·Aᵀ (fp32) beside the layer's 60 elements
+    assert m.items["activations"] == 2 * 16 * 2 * (60 * 4 + 7 * 2 * 4)
+    assert m.items["logits"] == full.items["logits"]
+    assert "LoRA r2" in m.role
+    # the Critic trains no adapters (its backend takes no trainer.lora)
+    critic = trainer_memory(_cfg([*SHORT, "trainer.lora.rank=2"]), arch, "critic", trainable=True)
+    assert critic.items["optimizer"] == 8 * 356
+
+
+def test_token_budget_sizes_activations_and_logits_by_hand() -> None:
+    arch = arch_from_config(SMALL)
+    m = trainer_memory(_cfg([*SHORT, "trainer.max_tokens_per_micro_batch=40"]), arch, "actor", trainable=True)
+    # 40 tokens (2.5 rows of 12 + 4) instead of 2 rows x 16; per token and layer 60 fp32 elements, 2 layers
+    assert m.items["activations"] == 40 * 2 * 60 * 4
+    # packed Qwen3 rows: logits at the 2.5 x 4 response positions only, then 6 fp32 copies (unchunked)
+    assert m.items["logits"] == 10 * 10 * (4 + 24)
+    assert "40 tokens/micro-batch packed" in m.role
+    # a budget below one row: the row trains alone
+    m = trainer_memory(_cfg([*SHORT, "trainer.max_tokens_per_micro_batch=8"]), arch, "actor", trainable=True)
+    assert m.items["activations"] == 16 * 2 * 60 * 4 and m.items["logits"] == 4 * 10 * (4 + 24)
+
+
+def test_chunked_logprobs_size_the_logit_buffers_by_hand() -> None:
+    from relax_core.algorithms.logprobs import CHUNK_BYTES
+
+    v = 2**20  # a 4-position chunk of fp32 [4, V] is CHUNK_BYTES: 2 rows x 4 response positions are chunked
+    assert CHUNK_BYTES // (4 * v) == 4
+    arch = arch_from_config({**SMALL, "vocab_size": v})
+    m = trainer_memory(_cfg(SHORT), arch, "actor", trainable=True)
+    # [2, 16, V] logits + [2, 4, V] gathered (fp32 model) + four fp32 chunk buffers, instead of 6 fp32 copies
+    assert m.items["logits"] == 2 * 16 * v * 4 + 8 * v * 4 + 4 * CHUNK_BYTES
+    plain = 2 * 16 * v * 4 + 8 * v * (4 + 24)
+    assert plain - m.items["logits"] == 8 * v * 24 - 4 * CHUNK_BYTES
+    # packed (budget 32 = 2 rows): no full logits; the backward holds them and their gradient, 3 chunks
+    packed = trainer_memory(
+        _cfg([*SHORT, "trainer.max_tokens_per_micro_batch=32"]), arch, "actor", trainable=True
+    )
+    assert packed.items["logits"] == 2 * 8 * v * 4 + 3 * CHUNK_BYTES
+    # a frozen scorer: the forward only
+    ref = trainer_memory(_cfg(SHORT), arch, "reference", trainable=False)
+    assert ref.items["logits"] == 2 * 16 * v * 4 + 8 * v * 4 + 4 * CHUNK_BYTES
+
+
+def test_packed_families_match_the_torch_backend() -> None:
+    from relax_core.backends.torch_backend import PACKED_FAMILIES as backend
+    from relax_core.memory import PACKED_FAMILIES
+
+    assert PACKED_FAMILIES == backend

@@ -106,7 +106,6 @@ RECIPES = {
         "rollout.n_samples_per_prompt": 16,
         "rollout.max_new_tokens": 8192,
         "cluster.name": "local",
-        "cluster.num_gpus": 8,
     },
     "openr1_qwen3_vl_4b": {
         "model.family": "qwen3_vl",
@@ -114,7 +113,6 @@ RECIPES = {
         "reward.name": "openr1mm",
         "rollout.batch_size": 32,
         "rollout.n_samples_per_prompt": 8,
-        "cluster.num_gpus": 8,
     },
     "avqa_qwen3_omni_30b": {
         "model.family": "qwen3_omni",
@@ -137,9 +135,14 @@ def _gpus(cfg: RelaxConfig) -> float:
     )
 
 
+# the node a recipe documents, for a machine without it (cluster=local detects a real node's GPUs)
+HARDWARE = {"dapo_math_qwen3_4b": ["cluster.num_gpus=8"], "openr1_qwen3_vl_4b": ["cluster.num_gpus=8"]}
+
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_recipes_compose_fill_their_gpus_and_require_model_path(recipe: str) -> None:
-    cfg = _compose([f"experiment={recipe}"])
+    node = HARDWARE.get(recipe, [])
+    cfg = _compose([f"experiment={recipe}", *node])
     for key, expected in RECIPES[recipe].items():
         group, field = key.split(".")
         assert getattr(getattr(cfg, group), field) == expected, key
@@ -150,8 +153,13 @@ def test_recipes_compose_fill_their_gpus_and_require_model_path(recipe: str) -> 
     with pytest.raises(RelaxUserError, match="set model.path="):
         validate(cfg)
     with pytest.raises(RelaxUserError, match="data.train_path is required"):
-        validate(_compose([f"experiment={recipe}", "model.path=/data/model"]))
-    validate(_compose([f"experiment={recipe}", "model.path=/data/model", "data.train_path=/data/t.jsonl"]))
+        validate(_compose([f"experiment={recipe}", *node, "model.path=/data/model"]))
+    validate(
+        _compose([f"experiment={recipe}", *node, "model.path=/data/model", "data.train_path=/data/t.jsonl"])
+    )
+    if cfg.cluster.name == "local":  # the recipe names no cluster setting: it composes with every cluster
+        for cluster in ("ray", "slurm_allocation"):
+            assert _compose([f"experiment={recipe}", f"cluster={cluster}"]).cluster.name == cluster
 
 
 def test_recipe_prints_with_cfg_job(tmp_path: Path) -> None:
