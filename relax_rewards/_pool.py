@@ -22,7 +22,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import queue
 import signal
 import threading
 import time
@@ -64,11 +63,101 @@ def describe_exception(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
+# ----------------------------------------------------------------------------------- scheduling
+
+
+def patience_for(timeout: float) -> float:
+    """How long every running thread must be on its call before another thread joins."""
+    return min(0.05, timeout / 8)
+
+
+class CallThreads:
+    """Runs queued calls on as few threads as keep them moving: one thread takes them one after another
+    (fast rewards then cost no thread switch per sample), and whenever every thread has been on its call
+    for ``patience`` seconds another joins, up to ``concurrency``. So N hung calls start within
+    N·``patience`` of each other and cost about one timeout, not N.
+
+    ``run_one(key)`` runs a call; ``report(key, status)`` receives its outcome, or ``("timeout", None)``
+    once it has run ``timeout`` seconds (its thread is then abandoned: a thread cannot be killed).
+    ``supervise`` keeps deadlines and adds threads; it returns once the queue is empty and nothing runs,
+    unless ``forever``.
+    """
+
+    def __init__(
+        self,
+        run_one: Callable[[Any], Status],
+        report: Callable[[Any, Status], None],
+        concurrency: int,
+    ) -> None:
+        self.run_one, self.report, self.concurrency = run_one, report, concurrency
+        self.cond = threading.Condition()
+        self.todo: list[tuple[Any, float]] = []  # (key, timeout), first in first out
+        self.running: dict[int, tuple[Any, float, float]] = {}  # thread id -> (key, start, timeout)
+        self.live: set[int] = set()  # threads not abandoned
+        self.abandoned: set[int] = set()
+        self.num_abandoned = 0
+        self._ids = iter(range(1 << 62))
+
+    def put(self, key: Any, timeout: float) -> None:
+        with self.cond:
+            self.todo.append((key, timeout))
+            self.cond.notify_all()
+
+    def _puller(self, tid: int) -> None:
+        while True:
+            with self.cond:
+                if tid in self.abandoned:
+                    return
+                if not self.todo:
+                    self.running.pop(tid, None)
+                    self.live.discard(tid)
+                    self.cond.notify_all()
+                    return
+                key, timeout = self.todo.pop(0)
+                self.running[tid] = (key, time.monotonic(), timeout)
+            status = self.run_one(key)
+            with self.cond:
+                if tid in self.abandoned:  # reported as a timeout already
+                    return
+                del self.running[tid]
+                self.report(key, status)
+
+    def _spawn(self) -> None:
+        tid = next(self._ids)
+        self.live.add(tid)
+        threading.Thread(target=self._puller, args=(tid,), name="relax-reward-call", daemon=True).start()
+
+    def supervise(self, forever: bool = False) -> None:
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                for tid, (key, began, timeout) in list(self.running.items()):
+                    if now >= began + timeout:
+                        del self.running[tid]
+                        self.live.discard(tid)
+                        self.abandoned.add(tid)
+                        self.num_abandoned += 1
+                        self.report(key, ("timeout", None))
+                busy = [self.running.get(tid) for tid in self.live]
+                stuck = all(b is not None and now - b[1] >= patience_for(b[2]) for b in busy)
+                if self.todo and len(self.live) < self.concurrency and stuck:
+                    self._spawn()
+                    busy.append(None)
+                if not forever and not self.todo and not self.running and not self.live:
+                    return
+                wake = [b[1] + b[2] for b in busy if b is not None]
+                if self.todo and len(self.live) < self.concurrency:
+                    wake += [b[1] + patience_for(b[2]) for b in busy if b is not None]
+                if None in busy:  # a thread between calls (or starting) does not wake us: look again soon
+                    wake.append(now + patience_for(min((t for _, t in self.todo), default=1.0)))
+                self.cond.wait(max(0.0, min(wake) - now) if wake else None)
+
+
 # ----------------------------------------------------------------------------------- in-process
 
 
 class InProcessRunner:
-    """Runs calls in this process, each on its own daemon thread, up to ``concurrency`` at once.
+    """Runs calls in this process on :class:`CallThreads`, up to ``concurrency`` at once.
 
     Each call's deadline counts from its own start, so N hung calls cost about one timeout, not N. A call
     that overruns is marked ``timeout`` and its thread abandoned (a thread cannot be killed; it keeps
@@ -96,38 +185,23 @@ class InProcessRunner:
 
     def _run_sync(self, calls: list[Call], timeout: float) -> list[Status]:
         results: list[Status | None] = [None] * len(calls)
-        done: queue.SimpleQueue[tuple[int, Status]] = (
-            queue.SimpleQueue()
-        )  # per batch: late replies are dropped
 
-        def body(i: int, call: Call) -> None:
+        def run_one(i: int) -> Status:
+            call = calls[i]
             try:
-                status: Status = ("ok", invoke(call.fn, call.args, call.kwargs))
+                return ("ok", invoke(call.fn, call.args, call.kwargs))
             except BaseException as e:  # noqa: BLE001 - any failure of user code becomes an outcome
-                status = ("error", describe_exception(e))
-            done.put((i, status))
+                return ("error", describe_exception(e))
 
-        started: dict[int, float] = {}  # call index -> start time, for calls in flight
-        nxt = 0
-        while nxt < len(calls) or started:
-            while nxt < len(calls) and len(started) < self.concurrency:
-                started[nxt] = time.monotonic()
-                threading.Thread(
-                    target=body, args=(nxt, calls[nxt]), name="relax-reward-call", daemon=True
-                ).start()
-                nxt += 1
-            wait = min(started.values()) + timeout - time.monotonic()
-            try:
-                i, status = done.get(timeout=max(0.0, wait))
-                if started.pop(i, None) is not None:
-                    results[i] = status
-            except queue.Empty:
-                pass
-            now = time.monotonic()
-            for i in [i for i, t in started.items() if now >= t + timeout]:
-                del started[i]
-                results[i] = ("timeout", None)
-                self.num_abandoned_threads += 1
+        def report(i: int, status: Status) -> None:
+            if results[i] is None:
+                results[i] = status
+
+        threads = CallThreads(run_one, report, self.concurrency)
+        for i in range(len(calls)):
+            threads.put(i, timeout)
+        threads.supervise()
+        self.num_abandoned_threads += threads.num_abandoned
         return [r if r is not None else ("error", "reward call was not run") for r in results]
 
     def _run_thread(
@@ -204,32 +278,27 @@ def _call_in_worker(ref: tuple[str, Any], args: tuple[Any, ...], kwargs: dict[st
 
 
 def _worker_main(conn: Connection) -> None:
-    """A worker process: says "ready" once warm, then runs every call it receives on its own thread and
-    sends back ``(index, status)`` as each finishes. The parent keeps the deadlines and kills the worker
-    once a call overran (its thread cannot be stopped otherwise)."""
+    """A worker process: says "ready" once warm, then runs the calls it receives on :class:`CallThreads`
+    and sends back ``(index, status)`` as each finishes, ``("timeout", None)`` for one that overran (the
+    parent then kills the worker once its other calls are in: the overrunning thread cannot be stopped)."""
     _warm_worker()
-    send_lock = threading.Lock()
 
-    def run(i: int, payload: bytes) -> None:
+    def run_one(msg: tuple[int, bytes]) -> Status:
         try:
-            ref, args, kwargs = pickle.loads(payload)
-            status: Status = ("ok", _call_in_worker(ref, args, kwargs))
+            ref, args, kwargs = pickle.loads(msg[1])
+            return ("ok", _call_in_worker(ref, args, kwargs))
         except BaseException as e:  # noqa: BLE001 - any failure of user code becomes an outcome
-            status = ("error", describe_exception(e))
-        with send_lock:
-            try:
-                conn.send((i, status))
-            except Exception as e:  # noqa: BLE001 - a returned value that cannot be pickled
-                conn.send(
-                    (
-                        i,
-                        (
-                            "error",
-                            f"reward returned a value that cannot be sent back: {describe_exception(e)}",
-                        ),
-                    )
-                )
+            return ("error", describe_exception(e))
 
+    def report(msg: tuple[int, bytes], status: Status) -> None:
+        try:
+            conn.send((msg[0], status))
+        except Exception as e:  # noqa: BLE001 - a returned value that cannot be pickled
+            error = f"reward returned a value that cannot be sent back: {describe_exception(e)}"
+            conn.send((msg[0], ("error", error)))
+
+    threads = CallThreads(run_one, report, concurrency=1 << 30)  # the parent bounds calls in flight
+    threading.Thread(target=threads.supervise, args=(True,), name="relax-reward-calls", daemon=True).start()
     conn.send("ready")
     while True:
         try:
@@ -238,7 +307,8 @@ def _worker_main(conn: Connection) -> None:
             return
         if msg is None:
             return
-        threading.Thread(target=run, args=msg, name="relax-reward-call", daemon=True).start()
+        i, payload, timeout = msg
+        threads.put((i, payload), timeout)
 
 
 class _Worker:
@@ -250,7 +320,7 @@ class _Worker:
         self.ready = False
         self.hung = False  # a call overran: take no more calls, kill once the others are in
         self.solo = False  # running one call alone, to learn whether it is the one that kills the process
-        self.inflight: dict[int, float] = {}  # call index -> dispatch time
+        self.inflight: dict[int, float] = {}  # call index -> start of its backstop deadline (see _send)
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -276,6 +346,7 @@ class ProcessPoolRunner:
         self.concurrency = concurrency
         self.ctx = multiprocessing.get_context(start_method)
         self.num_restarts = 0
+        self.timeout = 0.0  # the running batch's per-call timeout
         self._workers: list[_Worker] = []
         self._pid = os.getpid()
 
@@ -293,6 +364,7 @@ class ProcessPoolRunner:
 
     def run(self, calls: list[Call], timeout: float) -> list[Status]:
         self._ensure_started()
+        self.timeout = timeout
         results: list[Status | None] = [None] * len(calls)
         pending = list(range(len(calls)))  # calls not yet handed out, next first
         solo: list[int] = []  # calls that were in a worker that died beside others: rerun alone
@@ -321,8 +393,10 @@ class ProcessPoolRunner:
         except Exception as e:  # noqa: BLE001 - arguments that cannot travel
             results[i] = ("error", f"reward call cannot be sent to a worker process: {describe_exception(e)}")
             return
-        w.conn.send((i, payload))
-        w.inflight[i] = time.monotonic()
+        w.conn.send((i, payload, self.timeout))
+        # the worker keeps each call's deadline from its start; this backstop (for a worker too stuck to
+        # report) allows for the calls queued before it, each of which may hold a thread for the patience
+        w.inflight[i] = time.monotonic() + patience_for(self.timeout) * len(w.inflight) + 1.0
 
     def _collect(self, timeout: float, solo: list[int], results: list[Status | None]) -> None:
         """Wait for a reply, a death or the nearest deadline, and handle whatever happened."""
@@ -339,6 +413,7 @@ class ProcessPoolRunner:
                     elif w.inflight.pop(msg[0], None) is not None:
                         results[msg[0]] = msg[1]
                         w.solo = False
+                        w.hung |= msg[1][0] == "timeout"
             except (EOFError, OSError):
                 pass  # the process is gone; its sentinel says so below
             if not w.proc.is_alive():
