@@ -241,7 +241,7 @@ class MetricsSink:
         ax.set_ylabel("reward / accuracy")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        ax.legend(loc="best", fontsize="small")
         ax.set_title(f"{self.cfg.algorithm.name} · {self.cfg.model.name} · {self.cfg.mode.name}")
         fig.tight_layout()
         path = self.out / "reward_curve.png"
@@ -258,16 +258,28 @@ class MetricsSink:
         return points
 
     def set_points(self) -> dict[tuple[str, str], list[tuple[int, float]]]:
-        """(set, metric) -> (step, value) for every eval set's greedy accuracy and pass@k / maj@k
-        (``eval/<set>/...``, relax_core/evaluation.py); the primary set's accuracy is the red line."""
+        """(set, metric) -> (step, value) for every eval set's greedy accuracy and its pass@k / maj@k at the
+        largest k (``eval/<set>/...``, relax_core/evaluation.py); the primary set's accuracy is the red line,
+        and the untrained model's ``..._init`` figures stay out of the plot."""
         points: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for r in self.history:
             for key, value in r.items():
                 parts = key.split("/")
-                if len(parts) == 3 and parts[0] == "eval" and (parts[2] == "accuracy" or "@" in parts[2]):
+                if len(parts) != 3 or parts[0] != "eval" or parts[2].endswith("_init"):
+                    continue
+                if parts[2] == "accuracy" or "@" in parts[2]:
                     points.setdefault((parts[1], parts[2]), []).append((int(r["step"]), value))
         points.pop((self.cfg.eval.primary, "accuracy"), None)
-        return points
+        largest: dict[tuple[str, str], int] = {}
+        for name, metric in points:
+            if "@" in metric:
+                kind, k = metric.split("@")
+                largest[name, kind] = max(largest.get((name, kind), 0), int(k))
+        return {
+            (name, metric): p
+            for (name, metric), p in points.items()
+            if "@" not in metric or int(metric.split("@")[1]) == largest[name, metric.split("@")[0]]
+        }
 
     def finish(self, summary: dict[str, Any], status: str = "FINISHED") -> None:
         write_atomic(self.out / "summary.json", json.dumps(summary, indent=2))
