@@ -22,87 +22,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-
-
-def _batch(tokenizer, samples: int, length: int):
-    from relax_core.samples import Sample, TrainBatch
-
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(samples):
-        ids = torch.randint(3, len(tokenizer), (length,), generator=gen).tolist()
-        half = length // 2
-        rows.append(
-            Sample(i // 4, i % 4, ids[:half], ids[half:], [0.0] * half, [1] * half, reward=float(i % 2))
-        )
-    batch = TrainBatch.from_samples(rows, tokenizer.pad_token_id)
-    batch.extras["advantages"] = torch.linspace(-1, 1, samples).unsqueeze(1) * batch.loss_mask
-    return batch
-
-
-def _mb(tensors) -> float:
-    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _peak_rss_mb() -> float:
-    """This process's peak RSS (``VmHWM``). Not ``getrusage``: its ``ru_maxrss`` keeps the peak of the
-    parent that forked this spawned rank (which built the model folder), a floor under every rank."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+from train_probe import peak_rss_mb, synthetic_batch, train_and_measure
 
 
 def _rank(rank: int, world: int, kind: str, port: int, model_dir: str, args, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
     from relax_core.backends.fsdp_backend import FSDPBackend
     from relax_core.backends.torch_backend import TorchBackend
-    from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
+    from relax_core.config import ModelConfig, TrainerConfig
     from relax_models.loader import load_tokenizer
 
     trainer = TrainerConfig(lr=1e-4, lr_decay="constant", fsdp=kind == "fsdp", dp_size=world)
     backend = (FSDPBackend if kind == "fsdp" else TorchBackend)(model_dir, trainer, ModelConfig())
-    load_peak_rss_mb = _peak_rss_mb()
-    batch = _batch(load_tokenizer(model_dir), args.samples, args.length)
-    algo = AlgorithmConfig()
-    tokens, seqs = float(batch.loss_mask.sum()), sequence_count(batch, algo)
-
-    def loss_fn(mb, logprobs, entropy):
-        return policy_objective(mb, logprobs, entropy, algo, micro_batch_weight(mb, tokens, seqs, algo))
-
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        backend.train_step(batch, loss_fn, args.micro)
-        times.append(time.perf_counter() - start)
-    params = list(backend.model.parameters())
-    optim = [v for state in backend.optimizer.state.values() for v in state.values() if v.dim() > 0]
-    row = {
-        "kind": kind,
-        "ranks": world,
-        "rank": rank,
-        "params_total_m": round(sum(p.numel() for p in params) / 1e6, 2),  # a DTensor counts its global size
-        "param_mb": round(_mb(_local(p) for p in params), 1),
-        "grad_mb": round(_mb(_local(p.grad) for p in params if p.grad is not None), 1),
-        "optim_mb": round(_mb(_local(v) for v in optim), 1),
-        "load_peak_rss_mb": load_peak_rss_mb,
-        "peak_rss_mb": _peak_rss_mb(),
-        "step_s": round(statistics.median(times), 3) if times else None,
-        "global_batch": f"{args.samples}x{args.length}",
-    }
+    load_peak_rss_mb = peak_rss_mb()
+    batch = synthetic_batch(load_tokenizer(model_dir), args.samples, args.length)
+    measured = train_and_measure(backend, batch, args.steps, args.micro)
+    row = {"kind": kind, "ranks": world, "rank": rank, "params_total_m": measured.pop("params_m")}
+    row |= {k: measured[k] for k in ("param_mb", "grad_mb", "optim_mb")}
+    row |= {"load_peak_rss_mb": load_peak_rss_mb, "peak_rss_mb": measured["peak_rss_mb"]}
+    row |= {"step_s": measured["step_s"], "global_batch": f"{args.samples}x{args.length}"}
     (Path(out) / f"{kind}{world}_{rank}.json").write_text(json.dumps(row))
 
 

@@ -16,71 +16,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from train_probe import synthetic_batch, train_and_measure
 
 # random-init Qwen3 twins of the tiny builder: hidden x layers
 SIZES = {"tiny": (128, 4), "25m": (512, 8), "340m": (1536, 12)}
 
 
-def _peak_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
-
-
-def _mb(tensors) -> float:
-    return round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 1)
-
-
 def _run(_: int, size: str, rank: int, model_dir: str, args, out: str) -> None:
     torch.set_num_threads(1)
-    from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
     from relax_core.backends.torch_backend import TorchBackend
-    from relax_core.config import AlgorithmConfig, LoRAConfig, ModelConfig, TrainerConfig
-    from relax_core.samples import Sample, TrainBatch
+    from relax_core.config import LoRAConfig, ModelConfig, TrainerConfig
     from relax_models.loader import load_tokenizer
 
     trainer = TrainerConfig(lr=1e-4, lr_decay="constant", lora=LoRAConfig(rank=rank, alpha=2 * rank))
     backend = TorchBackend(model_dir, trainer, ModelConfig())
-    tokenizer = load_tokenizer(model_dir)
-    gen = torch.Generator().manual_seed(0)
-    rows, half = [], args.length // 2
-    for i in range(args.samples):
-        ids = torch.randint(3, len(tokenizer), (args.length,), generator=gen).tolist()
-        rows.append(Sample(i // 4, i % 4, ids[:half], ids[half:], [0.0] * half, [1] * half))
-    batch = TrainBatch.from_samples(rows, tokenizer.pad_token_id)
-    batch.extras["advantages"] = torch.linspace(-1, 1, args.samples).unsqueeze(1) * batch.loss_mask
-    algo = AlgorithmConfig()
-    tokens, seqs = float(batch.loss_mask.sum()), sequence_count(batch, algo)
-
-    def loss_fn(mb, logprobs, entropy):
-        return policy_objective(mb, logprobs, entropy, algo, micro_batch_weight(mb, tokens, seqs, algo))
-
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        backend.train_step(batch, loss_fn, args.micro)
-        times.append(time.perf_counter() - start)
-    params = list(backend.model.parameters())
-    optim = [v for state in backend.optimizer.state.values() for v in state.values() if v.dim() > 0]
-    row = {
-        "size": size,
-        "kind": f"lora_r{rank}" if rank else "full",
-        "params_m": round(sum(p.numel() for p in params) / 1e6, 2),
-        "trainable_m": round(sum(p.numel() for p in params if p.requires_grad) / 1e6, 3),
-        "grad_mb": _mb(p.grad for p in params if p.grad is not None),
-        "optim_mb": _mb(optim),
-        "peak_rss_mb": _peak_rss_mb(),
-        "step_s": round(statistics.median(times), 3),
-        "batch": f"{args.samples}x{args.length}",
-    }
+    batch = synthetic_batch(load_tokenizer(model_dir), args.samples, args.length)
+    row = {"size": size, "kind": f"lora_r{rank}" if rank else "full"}
+    row |= train_and_measure(backend, batch, args.steps, args.micro)
+    row["batch"] = f"{args.samples}x{args.length}"
     (Path(out) / "row.json").write_text(json.dumps(row))
 
 

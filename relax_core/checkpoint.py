@@ -14,7 +14,8 @@ Layout under ``<output_dir>/checkpoints/``::
 A checkpoint is first assembled in ``.tmp-step_N`` and then renamed to ``step_N`` (a rename within one
 directory is atomic on POSIX), so a job killed while saving leaves either the previous checkpoint or the new
 one, never a half-written folder that ``resume=auto`` would pick. Only the newest ``keep_last`` are kept.
-The folder must be on storage every node sees (the run dir is, on a cluster with a shared filesystem).
+The folder must be on storage every node sees: a run on several Ray nodes checks that at launch
+(:func:`check_shared_dir`).
 A published checkpoint whose files no longer match ``meta.json`` (truncated, deleted, a broken torch
 archive) is corrupt: ``resume=auto`` and global restarts skip it for the newest intact one, with a warning.
 """
@@ -28,6 +29,7 @@ import re
 import shutil
 import threading
 import time
+import uuid
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +50,53 @@ STOP_REQUEST = threading.Event()
 
 def checkpoint_root(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / "checkpoints"
+
+
+def check_shared_dir(path: str | os.PathLike, setting: str, timeout_s: float = 120.0) -> None:
+    """On a Ray cluster of several nodes, refuse folder ``path`` (named by ``setting``) unless every node
+    with resources for the roles sees it: ranks on any node write their checkpoint shards there and read
+    the model folder. A marker file written here is looked for by a task pinned to each node. Nothing is
+    asked of a single-node cluster."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [
+        n
+        for n in ray.nodes()
+        if n["Alive"] and (n["Resources"].get("CPU", 0) > 0 or n["Resources"].get("GPU", 0) > 0)
+    ]
+    if len(nodes) < 2:
+        return
+    path = Path(path).resolve()
+    token = uuid.uuid4().hex
+    marker = path / f".relax-shared-{token}"
+    marker.write_text(token)
+    try:
+        sees = ray.remote(num_cpus=0)(_holds_token)
+        refs = [
+            sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+                str(marker), token
+            )
+            for n in nodes
+        ]
+        seen = ray.get(refs, timeout=timeout_s)
+    finally:
+        marker.unlink(missing_ok=True)
+    blind = [n["NodeManagerAddress"] for n, ok in zip(nodes, seen, strict=True) if not ok]
+    if blind:
+        raise RelaxUserError(
+            f"{setting}={path} is not visible from Ray node(s) {', '.join(blind)} of this {len(nodes)}-node "
+            f"cluster (a file written there is missing on them), yet ranks on every node write checkpoints "
+            f"under it: set {setting} to a folder on a filesystem every node mounts (NFS, Lustre, ...)"
+        )
+
+
+def _holds_token(marker: str, token: str) -> bool:
+    """Whether ``marker`` holds ``token`` as seen from this process's node."""
+    try:
+        return Path(marker).read_text() == token
+    except OSError:
+        return False
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:

@@ -98,6 +98,9 @@ class AlgorithmConfig:
     critic: CriticConfig | None = None
     # on-policy distillation teacher (opd)
     teacher: TeacherConfig | None = None
+    # R3, rollout routing replay (MoE models, rollout=torch): the engine records each token's experts and the
+    # Actor's log-prob and training forwards use them (relax_models/routing_replay.py, docs/algorithms.md)
+    routing_replay: bool = False
 
 
 @dataclass

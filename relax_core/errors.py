@@ -12,7 +12,7 @@ import os
 
 from relax_models.errors import RelaxUserError
 
-__all__ = ["RelaxUserError", "RunFailedError", "disk_full", "nonfinite_weights_error"]
+__all__ = ["ClusterTooSmall", "RelaxUserError", "RunFailedError", "disk_full", "nonfinite_weights_error"]
 
 
 def disk_full(err: BaseException, path: str | os.PathLike) -> RelaxUserError | None:
@@ -28,6 +28,10 @@ def disk_full(err: BaseException, path: str | os.PathLike) -> RelaxUserError | N
             )
         err = err.__cause__ or err.__context__
     return None
+
+
+class ClusterTooSmall(RelaxUserError):
+    """Ray has less than the roles need (at launch: raise the cluster; after a lost node: wait for one)."""
 
 
 class RunFailedError(RuntimeError):

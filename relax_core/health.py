@@ -30,15 +30,21 @@ from pathlib import Path
 from typing import Any
 
 from relax_core import handles
-from relax_core.errors import RunFailedError
+from relax_core.errors import ClusterTooSmall, RunFailedError
 from relax_core.ray_errors import GetTimeoutError, RayActorError, WorkerCrashedError
 from relax_core.ray_groups import RoleGroup
+from relax_core.weight_transfer.collective import BroadcastPeerLost
 
 log = logging.getLogger("relax")
 
 # losing one of these cannot be repaired in place: their optimizer state lives only in the process
 GLOBAL_ROLES = ("actor", "critic")
-ACTOR_FAILURES = (RayActorError, WorkerCrashedError)
+# a role's process died: its own error, or a weight broadcast that lost a member (its node died)
+ACTOR_FAILURES = (RayActorError, WorkerCrashedError, BroadcastPeerLost)
+# how long a replacement may wait for a node to hold its bundle before the run restarts from its checkpoint
+PLACE_TIMEOUT_S = 10.0
+# how long a global restart waits for nodes to hold every role (a lost node coming back, a new one)
+NODE_WAIT_S = 600.0
 
 
 def reward_problem(value: float, max_abs: float) -> str | None:
@@ -290,10 +296,44 @@ class HealthManager:
                 self._last_seen[(name, i)] = time.monotonic()
             self.counters.role_restarts += 1
             self._event("restart", name, i, f"restart {groups[name].restarts[i]} in place")
-        handles.get([groups[n].actors[i].__ray_ready__.remote() for n, i in dead])  # constructed and alive
+        self._await_replacements(groups, dead)
         for name, i in dead:
             self.on_replaced(name, i, groups[name].actors[i])
         return dead
+
+    def _await_replacements(self, groups: dict[str, RoleGroup], dead: list[tuple[str, int]]) -> None:
+        """Wait until the replacements are constructed and alive. A replacement whose placement group has a
+        bundle no node can hold any more (its node was lost and no other has room) would wait forever:
+        after ``PLACE_TIMEOUT_S`` of that, restart from the checkpoint on what is left instead."""
+        refs = [groups[n].actors[i].__ray_ready__.remote() for n, i in dead]
+        unplaced_since = None
+        while len(handles.wait(refs, num_returns=len(refs), timeout=1.0)[0]) < len(refs):
+            unplaced = [f"{n}-{i}" for n, i in dead if not _bundles_placed(groups[n].pg)]
+            if not unplaced:
+                unplaced_since = None
+                continue
+            unplaced_since = unplaced_since or time.monotonic()
+            if time.monotonic() - unplaced_since > PLACE_TIMEOUT_S:
+                raise GlobalRestartNeeded(
+                    f"{', '.join(unplaced)} found no node with room for its bundle (a node was lost)"
+                )
+        handles.get(refs)
+
+    def start_when_room(self, start: Callable[[], Any], stop: Callable[[], None]) -> None:
+        """``start()`` every role again after a global restart. While the cluster is short of what they
+        need (a lost node held the Actor and no other can), stop what started and wait for a node to come
+        back or join, up to ``NODE_WAIT_S``; then the shortage is the run's error."""
+        deadline = time.monotonic() + NODE_WAIT_S
+        while True:
+            try:
+                return start()
+            except ClusterTooSmall as short:
+                if time.monotonic() > deadline:
+                    raise
+                stop()
+                left = deadline - time.monotonic()
+                log.warning("global restart: %s; waiting for a node to join (%.0f s more)", short, left)
+                time.sleep(5.0)
 
     def begin_global_restart(self, reason: str) -> None:
         """Count a global restart; fail the run with a report when they are exhausted."""
@@ -358,6 +398,16 @@ class HealthManager:
         path = Path(output_dir) / "failure_report.json"
         path.write_text(json.dumps({"headline": headline, **self.state_dict()}, indent=2))
         return path
+
+
+def _bundles_placed(pg: Any) -> bool:
+    """Whether every bundle of placement group ``pg`` lies on a live node (Ray moves the bundles of a lost
+    node to others with room; until then the group is rescheduling); True without Ray."""
+    if pg is None:
+        return True
+    from ray.util import placement_group_table
+
+    return placement_group_table(pg).get("state") == "CREATED"
 
 
 def _one_line(err: BaseException) -> str:

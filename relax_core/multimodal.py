@@ -195,10 +195,12 @@ def validate_model_and_modality(cfg) -> None:
             f"{cfg.modality.name}"
         ) from None
     check_modality_keys(cfg.modality)
-    if cfg.mode.name == "async" and any(c is not None for c in cfg.modality.keys.values()):
+    media = [kind for kind, column in cfg.modality.keys.items() if column is not None]
+    if media and cfg.rollout.engine != "torch":
         raise RelaxUserError(
-            f"mode=async does not carry multimodal inputs through its DataBus yet (modality={cfg.modality.name}"
-            " has modality.keys); use mode=colocate"
+            f"rollout={cfg.rollout.engine} cannot take {'/'.join(media)} inputs yet (its HTTP client sends token "
+            f"ids only, so the engine would never see the media of modality={cfg.modality.name}): use "
+            "rollout=torch"
         )
     if not cfg.model.path and cfg.model.tiny is None:
         raise RelaxUserError(

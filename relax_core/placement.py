@@ -7,12 +7,18 @@ backends: FSDP data-parallel ranks for ``trainer=torch`` and megatron's TP x PP 
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
+import socket
+import struct
+import time
+import uuid
 from typing import Any
 
 import torch
 
-from relax_core.errors import RelaxUserError
+from relax_core.errors import ClusterTooSmall, RelaxUserError
 from relax_models.devices import local_cuda_index
 from relax_models.ports import free_port
 
@@ -60,7 +66,7 @@ def reserve(bundles: list[dict[str, float]], name: str, timeout_s: float = 120.0
     if short:
         asked = ", ".join(f"{v:g} {k}" for k, v in short.items())
         held = ", ".join(f"{have.get(k, 0.0):g} {k}" for k in short)
-        raise RelaxUserError(
+        raise ClusterTooSmall(
             f"the roles of {name} need {asked} in Ray but the cluster has {held}: raise cluster.num_cpus/cluster.num_gpus "
             "or lower rollout.num_cpus/trainer.num_cpus (logical shares, not cores)"
         )
@@ -69,11 +75,21 @@ def reserve(bundles: list[dict[str, float]], name: str, timeout_s: float = 120.0
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
-        raise RelaxUserError(
+        raise ClusterTooSmall(
             f"Ray could not place {name} {bundles} within {timeout_s:g} s (free: {ray.available_resources()}): "
             "other work holds the resources, or no single node fits a bundle"
         ) from None
     return pg
+
+
+def bundle_nodes(pg: Any) -> list[str]:
+    """The IP of the node that holds each bundle of placement group ``pg``, in bundle order."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    where = placement_group_table(pg)["bundles_to_node_id"]
+    return [ips.get(where[i], where[i]) for i in sorted(where)]
 
 
 def actor_world_size(trainer_cfg: Any) -> int:
@@ -92,25 +108,95 @@ def helper_ranks(trainer_cfg: Any) -> int:
     return actor_world_size(trainer_cfg) if fsdp else 1
 
 
-def rank_env(rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1") -> dict[str, str]:
-    """The ``torch.distributed`` environment of Actor rank ``rank`` (torchrun's names).
+# names the Ray KV entries through which one group's ranks meet (set per rank by :func:`rank_envs`)
+RENDEZVOUS_ENV = "RELAX_RENDEZVOUS"
+_KV_NAMESPACE = "relax-rendezvous"
+
+
+def rank_env(rank: int, world_size: int, rendezvous: str) -> dict[str, str]:
+    """The ``torch.distributed`` environment of Actor rank ``rank`` (torchrun's names), less
+    ``MASTER_ADDR``/``MASTER_PORT``: :func:`join_rendezvous` sets those in the rank's own process.
 
     No ``LOCAL_RANK``: Ray shows each GPU actor only its own device, which is then ``cuda:0``.
     """
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-    }
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), RENDEZVOUS_ENV: rendezvous}
 
 
 def rank_envs(world_size: int) -> list[dict[str, str]] | None:
-    """The environment of each rank of one ``world_size`` group on a free local port; None for one."""
+    """The environment of each rank of one ``world_size`` group, under a rendezvous name of its own (a
+    restarted group meets afresh); None for one."""
     if world_size == 1:
         return None
-    port = free_port()
-    return [rank_env(i, world_size, port) for i in range(world_size)]
+    name = uuid.uuid4().hex
+    return [rank_env(i, world_size, name) for i in range(world_size)]
+
+
+def join_rendezvous(timeout_s: float = 600.0) -> None:
+    """Set ``MASTER_ADDR``/``MASTER_PORT`` of this rank's group, before ``init_process_group``.
+
+    The driver cannot pick them: it does not know where Ray puts rank 0, and a port free on the driver's
+    node says nothing of rank 0's. So every rank posts its node's IP (as Ray sees it) to Ray's KV store;
+    rank 0 waits for all, picks a port free on its node and posts the address. A group on one node meets on
+    127.0.0.1 as before; one spanning nodes on rank 0's node IP. Does nothing outside such a group (a lone
+    process, or a test that set the variables itself).
+    """
+    name = os.environ.get(RENDEZVOUS_ENV)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not name or world == 1:
+        return
+    import ray
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+
+    rank, ip = int(os.environ["RANK"]), ray.util.get_node_ip_address()
+    deadline = time.monotonic() + timeout_s
+
+    def wait_for(key: str) -> str:
+        while (value := _internal_kv_get(f"{name}/{key}", namespace=_KV_NAMESPACE)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {rank} of {world}: no {key} from its group within {timeout_s:g} s")
+            time.sleep(0.05)
+        return value.decode()
+
+    _internal_kv_put(f"{name}/node{rank}", ip, namespace=_KV_NAMESPACE)
+    if rank == 0:
+        nodes = {wait_for(f"node{r}") for r in range(world)}
+        host = "127.0.0.1" if nodes == {ip} else ip
+        port = free_port("")  # rank 0's store listens on every interface of its node
+        _internal_kv_put(f"{name}/master", f"{host}:{port}", namespace=_KV_NAMESPACE)
+    host, port = wait_for("master").rsplit(":", 1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, port
+    if host != "127.0.0.1":
+        interface = gloo_interface(ip)
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def gloo_interface(node_ip: str) -> str | None:
+    """The network interface gloo must use for ``node_ip`` to be its address, None if it picks it itself.
+
+    Gloo takes the address this host's name resolves to; where that is a loopback address (``/etc/hosts``
+    in many containers maps the hostname to 127.0.x.1) it would advertise it to ranks on other nodes, which
+    cannot reach it. Then the interface holding Ray's node IP is named. NCCL needs nothing: it skips
+    loopback by itself (and prefers InfiniBand, which naming Ray's interface would override). A
+    ``GLOO_SOCKET_IFNAME`` set by the user is kept.
+    """
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return None
+    try:
+        resolved = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    except OSError:
+        resolved = set()
+    if resolved == {node_ip}:
+        return None
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+        if socket.inet_ntoa(packed[20:24]) == node_ip:
+            return name
+    return None
 
 
 def data_parallel_size(trainer_cfg: Any) -> int:

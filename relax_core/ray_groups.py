@@ -96,6 +96,7 @@ class RoleGroup:
 
             remote_cls = ray.remote(actor_class(role_cls))
         self.restarts = [0] * replicas  # in-place restarts per replica (HealthManager)
+        self.pg = pg  # a replica restarted in place waits for its bundle (HealthManager)
         # ranks of one torch.distributed group: a replacement cannot join it, so losing one is a global restart
         self.collective = bool(env_vars) and replicas > 1
         self.shared = shared

@@ -140,6 +140,7 @@ class RolloutPool(RoleGroup):
         )
         self.cfg = cfg
         self.model_path = model_path
+        self._in_process = pg is None  # cluster=in_process: no Ray, no nodes
         self.router = Router()
         self.lock = threading.RLock()  # membership
         self.weights_lock = threading.Lock()  # weight pushes and new-engine syncs never interleave
@@ -168,17 +169,34 @@ class RolloutPool(RoleGroup):
     def _handle(self, member: Member) -> Any:
         return self.actors[member.index] if member.kind == "launch" else member.handle
 
+    def _node_ips(self, members: list[Member]) -> list[str | None]:
+        """The node address each member's engine runs on (None: unknown, or an external server's URL says)."""
+        if self._in_process:
+            return [None] * len(members)
+        refs = [None if m.kind == "external" else self._handle(m).node_address.remote() for m in members]
+        ips: list[str | None] = []
+        for ref in refs:
+            try:
+                ips.append(None if ref is None else handles.get(ref, timeout=10)[1])
+            except Exception:  # a dead or unreachable engine: its node is unknown
+                ips.append(None)
+        return ips
+
     def engines(self) -> list[dict[str, Any]]:
         """What ``GET /rollout/engines`` shows."""
         with self.lock:
+            members = list(self.members.values())
+        nodes = self._node_ips(members)
+        with self.lock:
             out = []
-            for m in self.members.values():
+            for m, node in zip(members, nodes, strict=True):
                 state = self.router.state(m.id)
                 out.append(
                     {
                         "id": m.id,
                         "kind": m.kind,
                         "url": m.url,
+                        "node": node,
                         "healthy": bool(state and state.healthy),
                         "draining": bool(state and state.draining),
                         "inflight_prompts": m.inflight,
@@ -471,8 +489,8 @@ class RolloutPool(RoleGroup):
                     except Exception as err:
                         failed.append(m)
                         req.errors.append(f"{m.url or m.id}: {err}")
-            if req.cancel_requested:
-                self._kill(created)
+            if req.cancel_requested:  # the engines may still be loading: no graceful shutdown to wait for
+                self._kill(created, graceful=False)
                 self._set(req, ScaleState.CANCELLED, "cancelled; created engines removed")
                 return
             for m in pending.values():
@@ -533,10 +551,11 @@ class RolloutPool(RoleGroup):
             time.sleep(0.05)
         return req
 
-    def _kill(self, members: list[Member]) -> None:
+    def _kill(self, members: list[Member], graceful: bool = True) -> None:
         for m in members:
             try:
-                handles.get(m.handle.shutdown.remote(), timeout=10)
+                if graceful:
+                    handles.get(m.handle.shutdown.remote(), timeout=10)
             except Exception:
                 pass
             try:

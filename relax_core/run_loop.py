@@ -18,6 +18,7 @@ from relax_core.algorithms.spec import requirements
 from relax_core.checkpoint import (
     STOP_REQUEST,
     CheckpointManager,
+    check_shared_dir,
     checkpoint_root,
     refuse_nonfinite_policy,
     resolve_resume,
@@ -196,7 +197,7 @@ class RunLoop:
         ckpt = self.health.global_restart(reason, self.checkpoints.root)
         self.health.stop()
         self.mode.stop()
-        self.mode.start()
+        self.health.start_when_room(self.mode.start, self.mode.stop)  # a lost node may have to come back
         driver = self.restore(ckpt)
         self.health.start()
         return int(driver["step"])
@@ -205,6 +206,8 @@ class RunLoop:
     def run(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.trainer
         resume_from = resolve_resume(t.resume, cfg.output_dir)  # checkpoint/resume (relax_core/checkpoint.py)
+        if cfg.cluster.name != "in_process":  # ranks on several nodes all write and read the run dir
+            check_shared_dir(cfg.output_dir, "hydra.run.dir")
         self.checkpoints = CheckpointManager(checkpoint_root(cfg.output_dir), t.save_every, t.keep_last)
         self.sink = MetricsSink(cfg, self.resolved)
         summary: dict[str, Any] = {"status": "failed"}

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from relax_models.routing_replay import not_recorded
+
 
 class SampleStatus(enum.StrEnum):
     COMPLETED = "completed"  # stopped on an EOS/stop token
@@ -61,6 +63,9 @@ class Sample:
     # why generation ended: "eos"/"length" single-turn; multi-turn "done", "max_turns", "context", "env_error",
     # "env_timeout", "abort"
     stop_reason: str = ""
+    # algorithm.routing_replay: the engine's MoE expert indices ``[tokens, layers, top_k]`` of the prompt and
+    # the response tokens it fed (all but the last), relax_models.routing_replay; None: the trainer routes
+    routing: torch.Tensor | None = None
 
     @property
     def uid(self) -> str:
@@ -87,6 +92,8 @@ class TrainBatch:
     policy_versions: torch.Tensor  # [B] long
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     multimodal_inputs: list[dict[str, Any] | None] = field(default_factory=list)
+    # [B, L, layers, top_k] expert indices to replay (not-recorded value where a row has none); None: no replay
+    routing: torch.Tensor | None = None
 
     @classmethod
     def from_samples(cls, samples: list[Sample], pad_token_id: int) -> TrainBatch:
@@ -118,6 +125,7 @@ class TrainBatch:
             group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
             policy_versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long),
             multimodal_inputs=[s.multimodal_inputs for s in samples],
+            routing=_routing(samples, max_len),
         )
 
     def __len__(self) -> int:
@@ -142,7 +150,22 @@ class TrainBatch:
             multimodal_inputs=[self.multimodal_inputs[i] for i in rows.tolist()]
             if self.multimodal_inputs
             else [],
+            routing=self.routing[rows, :seq_len] if self.routing is not None else None,
         )
 
     def micro_batches(self, size: int) -> list[TrainBatch]:
         return [self.select(list(range(i, min(i + size, len(self))))) for i in range(0, len(self), size)]
+
+
+def _routing(samples: list[Sample], width: int) -> torch.Tensor | None:
+    """``[B, width, layers, top_k]`` of the samples' recorded routing, padded with the not-recorded value
+    (also the rows without any); None when no sample has routing."""
+    recorded = [s.routing for s in samples if s.routing is not None]
+    if not recorded:
+        return None
+    first = recorded[0]
+    out = torch.full((len(samples), width, *first.shape[1:]), not_recorded(first.dtype), dtype=first.dtype)
+    for i, s in enumerate(samples):
+        if s.routing is not None:
+            out[i, : s.routing.shape[0]] = s.routing
+    return out

@@ -42,6 +42,33 @@ def _check_reward_imports(reward) -> None:
             ) from None
 
 
+# families whose models route tokens through relax_models.routing_replay.ROUTER_CLASSES
+MOE_FAMILIES = ("qwen3_moe", "qwen3_vl_moe", "qwen3_omni")
+
+
+def _check_routing_replay(cfg) -> None:
+    """``algorithm.routing_replay=true`` needs an MoE model, the torch engine (the one that records the experts;
+    vLLM's and SGLang's per-token routing output is not wired up) and the single-process torch trainer in
+    mode=colocate with single-turn rollouts (the only path that carries the routing to the Actor)."""
+    problem = None
+    if cfg.model.family not in MOE_FAMILIES:
+        problem = f"model.family={cfg.model.family} routes no tokens to experts (MoE families: {list(MOE_FAMILIES)})"
+    elif cfg.rollout.engine != "torch":
+        problem = (
+            f"rollout={cfg.rollout.engine} does not report its expert routing; only rollout=torch records it"
+        )
+    elif cfg.trainer.backend != "torch" or cfg.trainer.fsdp:
+        problem = f"trainer.backend={cfg.trainer.backend} (fsdp={cfg.trainer.fsdp}) does not replay routing; use trainer=torch"
+    elif cfg.mode.name != "colocate":
+        problem = f"mode={cfg.mode.name} does not carry routing over the data bus yet; use mode=colocate"
+    elif cfg.rollout.env is not None or cfg.rollout.agent is not None:
+        problem = "multi-turn episodes (rollout.env / rollout.agent) carry no routing"
+    if problem:
+        raise RelaxUserError(
+            f"algorithm.routing_replay=true: {problem}; or set algorithm.routing_replay=false"
+        )
+
+
 def validate(cfg) -> None:
     """Raise :class:`RelaxUserError` naming the first key whose value cannot work."""
     a, r, t, d = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.data
@@ -142,6 +169,8 @@ def validate(cfg) -> None:
 
     _check_choice("rollout.engine", r.engine, ENGINES)
     engine_dtype(r.dtype)  # names the key when the dtype is unknown
+    if a.routing_replay:
+        _check_routing_replay(cfg)
     if r.max_running < r.n_samples_per_prompt:
         raise RelaxUserError(
             f"rollout.max_running={r.max_running} is below rollout.n_samples_per_prompt={r.n_samples_per_prompt}"

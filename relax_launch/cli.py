@@ -116,17 +116,20 @@ def composition_problem(overrides: list[str]) -> str | None:
     return None
 
 
-def main() -> None:
-    # The interpreter's final garbage collection walks torch's, transformers' and Ray's object graphs
-    # (~2 s on 2 cores); frozen objects are skipped and the OS frees them with the process. Registered
-    # before the run, so it runs after the exit handlers the run registers (Ray's shutdown).
-    atexit.register(gc.freeze)
-    # Plain runs get a one-line message for a bad override; flagged invocations (--cfg, -m, --help, ...)
-    # go to Hydra untouched.
-    args = sys.argv[1:]
+def exit_on_bad_overrides(args: list[str]) -> None:
+    """Plain invocations get a one-line message (exit 2) for a bad override; flagged ones (--cfg, -m,
+    --help, ...) go to Hydra untouched."""
     if args and not any(a.startswith("-") for a in args):
         problem = composition_problem(args)
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             sys.exit(2)
+
+
+def main() -> None:
+    # The interpreter's final garbage collection walks torch's, transformers' and Ray's object graphs
+    # (~2 s on 2 cores); frozen objects are skipped and the OS frees them with the process. Registered
+    # before the run, so it runs after the exit handlers the run registers (Ray's shutdown).
+    atexit.register(gc.freeze)
+    exit_on_bad_overrides(sys.argv[1:])
     _hydra_main()

@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from relax_core.errors import RelaxUserError
-from relax_launch.cli import CONFIG_MODULE, check_schema, composition_problem
+from relax_launch.cli import CONFIG_MODULE, check_schema, exit_on_bad_overrides
 from relax_launch.experiment import QUIET_ENV, Connect, Summary, quiet_third_parties
 
 log = logging.getLogger("relax")
@@ -88,12 +88,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    if args and not any(a.startswith("-") for a in args):
-        problem = composition_problem(args)
-        if problem:
-            print(f"error: {problem}", file=sys.stderr)
-            sys.exit(2)
+    exit_on_bad_overrides(sys.argv[1:])
     _hydra_main()
 
 

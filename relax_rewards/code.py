@@ -193,20 +193,22 @@ def _read_capped(path: Path, limit: int) -> str:
         return f.read(limit).decode("utf-8", "replace")
 
 
-def run_sandboxed(
-    program: str,
-    stdin: str = "",
-    *,
-    cpu_s: float = 2.0,
-    wall_s: float = 4.0,
-    memory_mb: int = 256,
-    output_kb: int = 256,
-    disk_mb: int = 16,
-    max_processes: int = 8,
-    max_open_files: int = 64,
-    allow_network_fallback: bool = False,
-    hide_paths: tuple[str, ...] | list[str] = (),
-) -> SandboxResult:
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one sandboxed program may use (``reward.kwargs`` of ``reward=code``, see conf/reward/code.yaml)."""
+
+    cpu_s: float = 2.0
+    wall_s: float = 4.0
+    memory_mb: int = 256
+    output_kb: int = 256
+    disk_mb: int = 16
+    max_processes: int = 8
+    max_open_files: int = 64
+    allow_network_fallback: bool = False
+    hide_paths: tuple[str, ...] = ()
+
+
+def run_sandboxed(program: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run ``program`` with ``python -I -S`` in a sandbox (see the module doc) and capture its output."""
     root = os.geteuid() == 0
     python = sandbox_python()
@@ -219,30 +221,30 @@ def run_sandboxed(
         caller_cwd = os.getcwd()
         hide = [
             str(Path(p).resolve())
-            for p in (*hide_paths, caller_cwd)
+            for p in (*limits.hide_paths, caller_cwd)
             if Path(p).is_dir()
             and not Path(python).resolve().is_relative_to(Path(p).resolve())
             and not base.is_relative_to(Path(p).resolve())
         ]
         (base / "stdin").write_text(stdin)
-        out_cap = output_kb * 1024
-        limits = [
-            ("RLIMIT_CPU", max(1, round(cpu_s)), max(1, round(cpu_s)) + 1),
-            ("RLIMIT_AS", memory_mb << 20, memory_mb << 20),
+        out_cap = limits.output_kb * 1024
+        rlimits = [
+            ("RLIMIT_CPU", max(1, round(limits.cpu_s)), max(1, round(limits.cpu_s)) + 1),
+            ("RLIMIT_AS", limits.memory_mb << 20, limits.memory_mb << 20),
             ("RLIMIT_FSIZE", out_cap, out_cap),
-            ("RLIMIT_NPROC", max_processes, max_processes),
-            ("RLIMIT_NOFILE", max_open_files, max_open_files),
+            ("RLIMIT_NPROC", limits.max_processes, limits.max_processes),
+            ("RLIMIT_NOFILE", limits.max_open_files, limits.max_open_files),
             ("RLIMIT_CORE", 0, 0),
         ]
         args = {
             "uid": uid,
             "cwd": str(work),
             "hide": hide,
-            "disk_kb": disk_mb * 1024,
+            "disk_kb": limits.disk_mb * 1024,
             "program": program,
-            "limits": limits,
-            "wall_s": float(wall_s),
-            "allow_network": bool(allow_network_fallback),
+            "limits": rlimits,
+            "wall_s": float(limits.wall_s),
+            "allow_network": bool(limits.allow_network_fallback),
             "argv": [python, "-I", "-S", "main.py"],
             "env": {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8"},
         }
@@ -267,7 +269,7 @@ def run_sandboxed(
                 for fd in fds:
                     os.close(fd)
         try:
-            boot_out, boot_err = proc.communicate(timeout=wall_s + 10.0)
+            boot_out, boot_err = proc.communicate(timeout=limits.wall_s + 10.0)
         except subprocess.TimeoutExpired:  # backstop: the sandbox process itself hung
             os.killpg(proc.pid, 9)
             proc.communicate()
@@ -334,15 +336,7 @@ def code_reward(
     metadata: dict[str, Any] | None = None,
     *,
     all_or_nothing: bool = False,
-    cpu_s: float = 2.0,
-    wall_s: float = 4.0,
-    memory_mb: int = 256,
-    output_kb: int = 256,
-    disk_mb: int = 16,
-    max_processes: int = 8,
-    max_open_files: int = 64,
-    allow_network_fallback: bool = False,
-    hide_paths: list[str] | None = None,
+    **limits: Any,
 ) -> dict[str, float]:
     """Share of the row's tests the program passes (1.0 only when all pass with ``all_or_nothing``).
 
@@ -352,22 +346,12 @@ def code_reward(
     """
     cases, asserts = _tests(label)
     program = extract_program(response)
-    limits = dict(
-        cpu_s=cpu_s,
-        wall_s=wall_s,
-        memory_mb=memory_mb,
-        output_kb=output_kb,
-        disk_mb=disk_mb,
-        max_processes=max_processes,
-        max_open_files=max_open_files,
-        allow_network_fallback=allow_network_fallback,
-        hide_paths=tuple(hide_paths or ()),
-    )
+    sandbox = sandbox_limits(limits)
     runs = [(program, c.get("stdin") or "", str(c["stdout"])) for c in cases]
     runs += [(f"{program}\n\n{a}\n", "", None) for a in asserts]
     passed = timeouts = 0
     for source, stdin, want in runs:
-        res = run_sandboxed(source, stdin, **limits)
+        res = run_sandboxed(source, stdin, sandbox)
         if res.error:
             raise RuntimeError(f"code reward sandbox: {res.error}")
         timeouts += res.timed_out
@@ -384,10 +368,22 @@ def code_reward(
     }
 
 
+def sandbox_limits(kwargs: dict[str, Any]) -> SandboxLimits:
+    """``reward.kwargs`` as limits; an unknown key is a ValueError naming it and the known ones."""
+    known = set(SandboxLimits.__dataclass_fields__)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(
+            f"reward=code: unknown reward.kwargs {unknown}; known: all_or_nothing, {sorted(known)}"
+        )
+    return SandboxLimits(**{**kwargs, "hide_paths": tuple(kwargs.get("hide_paths") or ())})
+
+
 def check_sandbox(kwargs: dict[str, Any]) -> None:
     """Launch check: ValueError in one line when this machine cannot give programs their own network
     namespace and ``reward.kwargs.allow_network_fallback`` is not set, or the sandbox cannot start."""
-    res = run_sandboxed("print(1)", wall_s=10.0, allow_network_fallback=True)
+    sandbox_limits({k: v for k, v in kwargs.items() if k != "all_or_nothing"})  # unknown keys: one line
+    res = run_sandboxed("print(1)", limits=SandboxLimits(wall_s=10.0, allow_network_fallback=True))
     if res.error or res.returncode != 0:
         raise ValueError(
             f"reward=code: the sandbox cannot run a program here: {res.error or res.stderr.strip()[-200:]}"

@@ -29,14 +29,17 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import ray
 
 from relax_core.agentic.server import AgentServer, EpisodeBoard, Trajectory, TrajectoryStore, build_app
+from relax_core.databus import DataBus
+from relax_core.databus.stages import BusProducer
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord, Sample
@@ -90,8 +93,11 @@ def last_lines(path: Path, count: int = 5) -> str:
 class AgentProgramRollout:
     """The rollout stage of ``rollout.agent`` runs: :meth:`generate` has the program play the prompts."""
 
-    def __init__(self, cfg, pool: RolloutPool, tokenizer) -> None:
+    def __init__(self, cfg, pool: RolloutPool | EngineSet, tokenizer, cwd: str | None = None) -> None:
+        """``cwd``: where the program starts (a relative command is the driver's: an async run hosts this
+        in a Ray actor, whose working directory may differ)."""
         self.cfg = cfg
+        self.cwd = cwd
         self.pool = pool
         self.tokenizer = tokenizer
         self.agent = cfg.rollout.agent
@@ -153,6 +159,7 @@ class AgentProgramRollout:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                cwd=self.cwd,
                 start_new_session=True,  # its own process group: a hung program is killed with its children
             )
         except OSError as err:
@@ -289,3 +296,58 @@ class AgentProgramRollout:
     def metrics(self) -> dict[str, float]:
         """Counters over the run so far (merged into each step's metrics)."""
         return {"agent/restarts": float(self.restarts), "agent/failed_sessions": float(self.failed)}
+
+
+class EngineSet:
+    """mode=async: the run's rollout actors as the endpoint's pool. Each call goes to the engine with the
+    fewest calls outstanding; :meth:`replace` swaps in an engine restarted in place."""
+
+    def __init__(self, engines: list[ray.actor.ActorHandle]) -> None:
+        self.engines = list(engines)
+        self.outstanding = [0] * len(self.engines)
+        self.lock = threading.Lock()
+
+    def replace(self, index: int, engine: ray.actor.ActorHandle) -> None:
+        self.engines[index] = engine
+
+    def call(self, method: str, *args: Any) -> list[ray.ObjectRef]:
+        return [getattr(engine, method).remote(*args) for engine in self.engines]
+
+    def complete(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
+        with self.lock:
+            i = min(range(len(self.engines)), key=self.outstanding.__getitem__)
+            self.outstanding[i] += 1
+        try:
+            return ray.get(self.engines[i].complete.remote(requests, sampling))
+        finally:
+            with self.lock:
+                self.outstanding[i] -= 1
+
+
+class AgentRolloutHost(BusProducer):
+    """mode=async's rollout stage for ``rollout.agent``: a Ray actor that serves the endpoint over the run's
+    rollout engines, runs the program's copies, and writes each step's episodes to the DataBus as
+    :meth:`BusProducer.produce <relax_core.databus.stages.BusProducer.produce>` writes generated samples."""
+
+    def __init__(self, cfg, model_path: str, engines: list, bus: DataBus, cwd: str) -> None:
+        from relax_models.loader import load_tokenizer
+
+        self.cfg, self.bus = cfg, bus
+        self.engines = EngineSet(engines)
+        self.program = AgentProgramRollout(cfg, self.engines, load_tokenizer(model_path), cwd)
+        self.program.start()
+
+    def generate(
+        self, prompts: list[PromptRecord], greedy: bool = False, sampling: Any = None
+    ) -> list[Sample]:
+        """Episodes of ``prompts`` (an evaluation's ``sampling`` is the rollout's own here, as in colocate)."""
+        return self.program.generate(prompts, greedy)
+
+    def replace_engine(self, index: int, engine: ray.actor.ActorHandle) -> None:
+        self.engines.replace(index, engine)
+
+    def metrics(self) -> dict[str, float]:
+        return self.program.metrics()
+
+    def shutdown(self) -> None:
+        self.program.stop()

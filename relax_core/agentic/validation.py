@@ -28,8 +28,6 @@ def validate_agent_program(cfg) -> None:
     r, agent = cfg.rollout, cfg.rollout.agent
     if r.env is not None:
         raise RelaxUserError("rollout.env and rollout.agent exclude each other: set one of them to null")
-    if cfg.mode.name != "colocate":
-        raise RelaxUserError(f"rollout.agent runs with mode=colocate only, got mode={cfg.mode.name}")
     if not agent.command or not all(isinstance(part, str) and part for part in agent.command):
         raise RelaxUserError(
             "rollout.agent.command must be the program as a list, e.g. [python, examples/agents/calc_agent.py]"

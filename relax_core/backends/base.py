@@ -180,6 +180,15 @@ class TrainingBackend(abc.ABC):
         """Element-wise sum of ``values`` over the data-parallel ranks (collective); one rank: ``values``."""
         return values
 
+    def any_over_ranks(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the training world (collective)."""
+        return bool(self.sum_over_ranks([float(flag)])[0])
+
+    def data_parallel_rank(self, process_rank: int) -> int:
+        """The data-parallel replica of the Actor process ``process_rank`` (each replica streams its own rows
+        of a step in mode=async): the process itself, unless several processes hold one model replica."""
+        return process_rank
+
     def scale_gradients(self, factor: float) -> None:
         """Multiply every accumulated gradient by ``factor`` (a streamed batch learns its loss denominator
         only after its last micro-batch)."""

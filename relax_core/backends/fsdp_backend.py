@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from relax_core.backends.base import LossFn, accumulate_gradients, pad_to_width, rank_slice, reduce_metrics
 from relax_core.backends.torch_backend import TorchBackend, rng_state, set_rng_state
+from relax_core.placement import join_rendezvous
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_tokenizer
 from relax_models.lora import merged_weights
@@ -48,6 +49,7 @@ class FSDPBackend(TorchBackend):
     def __init__(
         self, model_path: str, trainer_cfg, model_cfg, temperature: float = 1.0, trainable: bool = True
     ):
+        join_rendezvous()  # MASTER_ADDR/PORT of the group, wherever Ray put its ranks
         init_process_group()  # from RANK / WORLD_SIZE / MASTER_*; a lone process gets a group of one
         self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
         super().__init__(model_path, trainer_cfg, model_cfg, temperature=temperature, trainable=trainable)

@@ -2,8 +2,8 @@
 
 One instance runs in each training process; the processes of one model replica form megatron's
 tensor/expert groups over the default ``torch.distributed`` group (started here from ``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` when not yet running). Every method below that touches
-weights is *collective*: all ranks call it in step with the whole batch; each data-parallel replica
+``WORLD_SIZE`` and ``relax_core.placement.join_rendezvous`` when not yet running). Every method below that
+touches weights is *collective*: all ranks call it in step with the whole batch; each data-parallel replica
 (``trainer.dp_size``, or the replicas an expert grid adds) trains on its own slice of it, and the
 replicas' gradients are averaged with each scaled by their count, so N replicas take one replica's step.
 
@@ -49,6 +49,7 @@ from relax_core.backends.base import (
 from relax_core.backends.schedule import lr_multiplier
 from relax_core.backends.torch_backend import rng_state, set_rng_state
 from relax_core.errors import RelaxUserError
+from relax_core.placement import join_rendezvous
 from relax_core.samples import TrainBatch
 from relax_models.megatron.bridge import (
     Qwen3Bridge,
@@ -115,6 +116,7 @@ class MegatronBackend(TrainingBackend):
                 "trainer.megatron.pipeline>1 / context>1 are not run by the megatron backend yet; "
                 "use tensor and expert parallelism (pipeline=1, context=1)"
             )
+        join_rendezvous()  # MASTER_ADDR/PORT of the group, wherever Ray put its ranks
         init_process_group()
         self.dp_size = initialize_parallel(self.arch, self.sizes, seed)
         torch.manual_seed(seed)
@@ -299,6 +301,33 @@ class MegatronBackend(TrainingBackend):
         local = rank_slice(batch, ps.get_data_parallel_rank(), self.dp_size)
         out = accumulate_gradients(local, self._logprobs_entropy, loss_fn, micro_batch_size, self.dp_size)
         return reduce_metrics(out, self.device, ps.get_data_parallel_group())
+
+    # mode=async streams a batch (relax_core.databus.stages.MicroStream): the ranks of one replica read the
+    # same rows, the replicas their own
+    def data_parallel_rank(self, process_rank: int) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    def sum_over_ranks(self, values: list[float]) -> list[float]:
+        from megatron.core import parallel_state as ps
+
+        summed = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed, group=ps.get_data_parallel_group())
+        return summed.tolist()
+
+    def any_over_ranks(self, flag: bool) -> bool:
+        """Over the whole world: every rank of a replica is in its tensor/expert collectives."""
+        value = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(value)
+        return bool(value.item())
+
+    def scale_gradients(self, factor: float) -> None:
+        """Gradients sit in the DDP's ``main_grad`` buffers until :meth:`train_step` finalizes them."""
+        for p in self.model.parameters():
+            grad = getattr(p, "main_grad", None)
+            if grad is not None:
+                grad.mul_(factor)
 
     def _named_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The gradients the CPU AdamW steps on (the main params'), by model parameter name."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
@@ -32,6 +33,7 @@ from relax_core.samples import TrainBatch
 from relax_models.errors import RelaxUserError
 from relax_models.loader import DTYPES, load_causal_lm, load_tokenizer
 from relax_models.lora import LoRALinear, apply_lora, is_adapter, merged_weights
+from relax_models.routing_replay import RoutingReplay, replay_routing
 
 # families whose text forward takes packed rows (position ids restarting per row, no attention mask)
 PACKED_FAMILIES = ("qwen3", "qwen3_moe")
@@ -97,6 +99,9 @@ class TorchBackend(TrainingBackend):
             trainable and model_cfg.gradient_checkpointing
         )
         self.optimizer = self.scheduler = None
+        # algorithm.routing_replay (set by the Actor): forwards replay the batch's recorded MoE routing
+        self.routing_replay = False
+        self._replay: RoutingReplay | None = None
         self._shard()
         self._cast_forward()
         if trainable:
@@ -175,11 +180,33 @@ class TorchBackend(TrainingBackend):
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     state[key] = value.to(device)
 
+    @contextlib.contextmanager
+    def _replaying(self):
+        """With ``routing_replay``: the routers replay each micro-batch's recorded experts for the whole
+        pass, so a checkpointed backward reruns its forward with the same routing."""
+        if not self.routing_replay:
+            yield
+            return
+        with replay_routing(self.model) as replay:
+            self._replay = replay
+            try:
+                yield
+            finally:
+                self._replay = None
+
+    def _route(self, routing: torch.Tensor | None) -> None:
+        """The ``[tokens, layers, top_k]`` experts the next forward replays (None: its own routing)."""
+        if self._replay is not None:
+            self._replay.indices = routing
+
     def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # multimodal rows: pixel/audio tensors as forward kwargs; the model derives its M-RoPE positions
         # from input_ids + grids itself, so no position_ids are passed (right padding is fine)
         batch = batch_to_device(batch, self.device)
-        groups = prompt_groups(batch) if self.share_prompts else None
+        replay = self._replay is not None and batch.routing is not None
+        # the shared-prompt passes split each row in two forwards; replay takes the one padded forward
+        groups = prompt_groups(batch) if self.share_prompts and not replay else None
+        self._route(batch.routing.flatten(0, 1) if replay else None)
         if groups is not None:
             logits = shared_prompt_logits(self.model, batch, groups)
             logprobs, entropy = response_logprobs_and_entropy(logits, batch, self.temperature)
@@ -197,6 +224,8 @@ class TorchBackend(TrainingBackend):
             return self._logprobs_entropy(batch)
         batch = batch_to_device(batch, self.device)
         input_ids, position_ids, keep = pack_rows(batch)
+        replay = self._replay is not None and batch.routing is not None
+        self._route(batch.routing[batch.attention_mask.bool()] if replay else None)  # packed like the ids
         # no attention mask and no cache: HF reads the row boundaries from the position ids
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
         logits = out.logits.view(*batch.loss_mask.shape, -1)
@@ -205,6 +234,10 @@ class TorchBackend(TrainingBackend):
 
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, micro_batch_size: int = 64) -> torch.Tensor:
+        with self._replaying():
+            return self._forward_logprobs(batch, micro_batch_size)
+
+    def _forward_logprobs(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
         max_tokens = getattr(self.trainer_cfg, "max_tokens_per_micro_batch", None)
         if max_tokens:
             groups = token_budget_groups(row_lengths(batch), max_tokens)
@@ -219,7 +252,8 @@ class TorchBackend(TrainingBackend):
         self.optimizer.zero_grad(set_to_none=True)
         max_tokens = getattr(self.trainer_cfg, "max_tokens_per_micro_batch", None)
         logprob_fn = self._packed_logprobs_entropy if max_tokens else self._logprobs_entropy
-        out = accumulate_gradients(batch, logprob_fn, loss_fn, micro_batch_size, max_tokens=max_tokens)
+        with self._replaying():
+            out = accumulate_gradients(batch, logprob_fn, loss_fn, micro_batch_size, max_tokens=max_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
         return self._apply_update(out, float(grad_norm))
 

@@ -1,19 +1,30 @@
 """How a role works through one step's rows on the DataBus (mode=async): wait for rows with the fields
 it needs, compute, write its field, mark the rows consumed. Every role uses these; none has a bus copy of
-itself."""
+itself. :class:`BusProducer` is the writing side: a step's scored prompt groups (the rollout engines', or
+an agent program's episodes)."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from relax_core.algorithm_roles import shape_rewards, with_spread
 from relax_core.algorithms.objective import micro_batch_weight
-from relax_core.databus.base import DataBus, Fields, PartitionCancelled, partition_name
-from relax_core.databus.records import SAMPLE_FIELDS, batch_from_rows, per_sample
+from relax_core.databus.base import DataBus, Fields, PartitionCancelled, partition_name, sample_key
+from relax_core.databus.records import (
+    MEDIA_FIELDS,
+    SAMPLE_FIELDS,
+    batch_from_rows,
+    get_rows,
+    per_sample,
+    sample_rows,
+)
 from relax_core.ray_errors import RayActorError
 from relax_core.samples import Sample, TrainBatch
 
@@ -72,7 +83,7 @@ def stream_stage(
             time.sleep(0.005)
             continue
         waited += time.perf_counter() - t
-        fields = fn(keys, bus.get(part, keys, need))
+        fields = fn(keys, get_rows(bus, part, keys, need))
         if leader:
             bus.put(part, keys, fields)
             bus.consume(part, keys, task)
@@ -100,7 +111,8 @@ def score_stage(
         return {field: per_sample(score(batch), batch)}
 
     sharded = dist.is_initialized() and dist.get_world_size() > 1
-    waited = stream_stage(bus, step, total, SAMPLE_FIELDS, task, chunk, fn, sharded=sharded)
+    need = SAMPLE_FIELDS + MEDIA_FIELDS  # the model sees each row's media
+    waited = stream_stage(bus, step, total, need, task, chunk, fn, sharded=sharded)
     return {f"time/{task}_wait_s": waited}
 
 
@@ -116,6 +128,8 @@ class MicroStream:
     Data-parallel ranks each stream their own ``keys`` (``rank_local``: the backend does not slice again),
     and W is summed over them. Before each micro-batch the ranks agree that none of them saw the partition
     cancelled, so they stop together instead of one rank waiting in a collective for another that left.
+    ``in_order``: micro-batches take ``keys`` in order, not whichever are ready first, so the ranks of one
+    model replica (megatron's tensor/expert groups), which read the same keys, build the same micro-batches.
     """
 
     rank_local = True
@@ -130,8 +144,9 @@ class MicroStream:
         extras: list[str],
         algo,
         backend,
+        in_order: bool = False,
     ) -> None:
-        self.bus, self.pad, self.part, self.keys = bus, pad_token_id, part, keys
+        self.bus, self.pad, self.part, self.keys, self.in_order = bus, pad_token_id, part, keys, in_order
         self.need, self.extras, self.algo, self.backend = need, extras, algo, backend
         self.size = len(keys)
         self.total_weight = 0.0
@@ -150,9 +165,9 @@ class MicroStream:
         remaining = list(self.keys)
         while remaining:
             t = time.perf_counter()
-            rows = self._next_rows(min(self.size, len(remaining)), set(remaining))
-            (cancelled_ranks,) = self.backend.sum_over_ranks([float(rows is None)])
-            if cancelled_ranks:
+            want = min(self.size, len(remaining))
+            rows = self._next_rows(want, set(remaining[:want] if self.in_order else remaining))
+            if self.backend.any_over_ranks(rows is None):
                 raise PartitionCancelled(self.part)
             self.wait_s += time.perf_counter() - t
             chosen, fields = rows
@@ -173,9 +188,79 @@ class MicroStream:
             while len(ready := [k for k in self.bus.ready(self.part, self.need) if k in pending]) < want:
                 time.sleep(delay)
                 delay = min(delay * 1.5, 0.05)
-            return ready[:want], self.bus.get(self.part, ready[:want], self.need)
+            return ready[:want], get_rows(self.bus, self.part, ready[:want], self.need)
         except PartitionCancelled:
             return None
         except RayActorError as err:
             self.bus_error = err
             return None
+
+
+class BusProducer:
+    """Writes a step's scored prompt groups to the DataBus (mode=async). Users provide ``cfg``, ``bus`` and
+    ``generate(prompts) -> samples`` (``n_samples_per_prompt`` per prompt, adjacent)."""
+
+    cfg: Any
+    bus: DataBus | None
+    # generations resumed after an abort at a weight swap, reported per rollout call
+    resumed: int = 0
+
+    def produce(self, step: int, prompts: list, slots: list[int], last_round: bool = True) -> dict[str, Any]:
+        """Generate and score ``prompts`` chunk by chunk, writing whole prompt groups into the step's group
+        ``slots`` on the bus (slot g holds positions g·n … g·n+n−1) as each chunk finishes.
+
+        Dynamic sampling writes only groups with reward spread and stops once its slots are full; in the
+        last round the slots still free get zero-spread groups with a zeroed loss mask, so the step keeps
+        its size and the Actor's stream its shape, but those groups add nothing to the loss.
+        """
+        r, a = self.cfg.rollout, self.cfg.algorithm
+        n, chunk = r.n_samples_per_prompt, self.cfg.mode.rollout_chunk_prompts or len(prompts)
+        out: dict[str, Any] = {"rewards": [], "extras": [], "lens": [], "versions": [], "put_s": 0.0}
+        out |= {"filled": [], "errors": [], "kept_groups": 0, "generated_groups": 0, "generated_rewards": []}
+        free, spare = list(slots), []
+        t0 = time.perf_counter()
+        for c in range(0, len(prompts), chunk):
+            if not free:
+                break
+            samples = shape_rewards(self.generate(prompts[c : c + chunk]), a, r.max_new_tokens)
+            out["generated_groups"] += len(samples) // n
+            out["generated_rewards"] += [s.reward for s in samples]
+            kept = with_spread(samples) if a.dynamic_sampling else samples
+            kept_ids = {id(s) for s in kept}
+            spare += [s for s in samples if id(s) not in kept_ids]
+            groups = prompt_groups(kept, n)[: len(free)]
+            out["kept_groups"] += len(groups)
+            free = self._write(step, groups, free, out)
+        if last_round and free:
+            filler = [
+                [replace(s, loss_mask=[0] * len(s.loss_mask)) for s in g] for g in prompt_groups(spare, n)
+            ]
+            free = self._write(step, filler[: len(free)], free, out)
+        out["wall_s"] = time.perf_counter() - t0
+        out["resumed"] = self.resumed
+        return out
+
+    def _write(
+        self, step: int, groups: list[list[Sample]], free: list[int], out: dict[str, Any]
+    ) -> list[int]:
+        """Put ``groups`` into the first free slots (one bus call); returns the slots still free."""
+        if not groups:
+            return free
+        n = self.cfg.rollout.n_samples_per_prompt
+        used, samples = free[: len(groups)], [s for g in groups for s in g]
+        keys, fields = sample_rows(samples, 0, [sample_key(g * n + j) for g in used for j in range(n)])
+        t = time.perf_counter()
+        self.bus.put(partition_name(step), keys, fields)
+        out["put_s"] += time.perf_counter() - t
+        out["filled"] += used
+        # the reward errors with their samples' ids (the rewards above carry only 0), for the stop message
+        out["errors"] += [
+            (len(out["rewards"]) + i, s.group_id, s.index_in_group, s.metadata["reward_error"])
+            for i, s in enumerate(samples)
+            if (s.metadata or {}).get("reward_error")
+        ]
+        out["rewards"] += [s.reward for s in samples]
+        out["extras"] += [s.reward_extras for s in samples]
+        out["lens"] += [len(s.response_ids) for s in samples]
+        out["versions"] += [s.policy_version for s in samples]
+        return free[len(groups) :]

@@ -16,8 +16,10 @@ def build_engine(
     seed: int,
     rollout_cfg=None,
     engine_url: str | None = None,
+    record_routing: bool = False,
 ) -> RolloutEngine:
-    """The engine ``rollout.engine`` names, loaded from ``model_path`` (or a client of ``engine_url``)."""
+    """The engine ``rollout.engine`` names, loaded from ``model_path`` (or a client of ``engine_url``);
+    ``record_routing`` (``algorithm.routing_replay``, the torch engine only): results carry MoE routing."""
     if engine_url:
         from relax_core.engines.client import HttpEngine
 
@@ -46,6 +48,7 @@ def build_engine(
             max_running=rollout_cfg.max_running if rollout_cfg is not None else 1024,
             dtype=dtype,
             native_kernels=rollout_cfg.native_kernels if rollout_cfg is not None else False,
+            record_routing=record_routing,
         )
     if name == "sglang":
         from relax_core.engines.sglang import SGLangEngine

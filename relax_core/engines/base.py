@@ -53,6 +53,9 @@ class GenerationResult:
     finish_reason: str
     request_id: str = ""
     weight_version: int = 0
+    # the torch engine with algorithm.routing_replay: MoE expert indices [prompt + fed response tokens,
+    # layers, top_k] (relax_models.routing_replay.record_routing); None otherwise
+    routing: torch.Tensor | None = None
 
 
 class RolloutEngine(abc.ABC):

@@ -21,6 +21,7 @@ import torch
 
 from relax_core.engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from relax_core.engines.weight_broadcast import WeightBroadcaster
+from relax_core.errors import RelaxUserError
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 WEIGHT_TRANSFERS = ("distributed", "disk")
@@ -97,6 +98,11 @@ class HttpEngine(RolloutEngine):
         return response.json()
 
     def _one(self, request: GenerationRequest, sampling: SamplingParams) -> list[GenerationResult]:
+        if request.multimodal_inputs:  # e.g. an external engine added to a multimodal run
+            raise RelaxUserError(
+                f"request {request.request_id!r} carries media, but the engine at {self.url} is driven over HTTP "
+                "with token ids only: multimodal runs need rollout=torch engines"
+            )
         body = {
             "input_ids": request.input_ids,
             "sampling_params": {

@@ -20,6 +20,7 @@ Every sampled token's log-prob is taken under the temperature-scaled distributio
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import threading
@@ -257,6 +258,7 @@ class TorchEngine(RolloutEngine):
         max_running: int = 1024,
         dtype: torch.dtype | None = None,
         native_kernels: bool = False,
+        record_routing: bool = False,
     ):
         if dtype is not None:
             model = model.to(dtype)
@@ -269,6 +271,9 @@ class TorchEngine(RolloutEngine):
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.fast = fast_path_supported(model)
+        # algorithm.routing_replay: results carry each token's MoE expert indices (MoE models take the static
+        # path, whose HF forward the recording hooks into)
+        self.record_routing = record_routing
         self._abort = threading.Event()
         self._abort_ids: set[str] | None = None  # None: abort everything
         self._abort_lock = threading.Lock()  # not self._lock: an abort must not wait for a long generation
@@ -770,8 +775,10 @@ class TorchEngine(RolloutEngine):
         """Left-padded batch through the HF forward with an HF cache; multimodal kwargs + M-RoPE positions."""
         from relax_models.families import decode_positions, forward_kwargs, rope_positions
         from relax_models.loader import KV_CACHE_KEY
+        from relax_models.routing_replay import record_routing
 
-        with torch.no_grad():
+        recording = record_routing(self.model) if self.record_routing else contextlib.nullcontext()
+        with torch.no_grad(), recording as routed:
             n = max(sampling.n, 1)
             prompts = [r.input_ids for r in requests]
             width = max(len(p) for p in prompts)
@@ -828,6 +835,7 @@ class TorchEngine(RolloutEngine):
                 cache, logits = getattr(out, KV_CACHE_KEY), out.logits[:, -1, :]
                 next_index = next_index + 1
             aborted = self._abort.is_set()
+            routing = self._routing_rows(routed, prompts, width, n) if routed is not None else None
             results = []
             for row in range(rows):
                 length = int(lengths[row])
@@ -839,6 +847,26 @@ class TorchEngine(RolloutEngine):
                         finish_reason=reason,
                         request_id=requests[row // n].request_id,
                         weight_version=self.weight_version,
+                        # the prompt and the response tokens fed back (all but the last sampled)
+                        routing=routing[row][: len(prompts[row // n]) + max(length - 1, 0)]
+                        if routing is not None
+                        else None,
                     )
                 )
             return results
+
+    @staticmethod
+    def _routing_rows(
+        routed: list[torch.Tensor], prompts: list[list[int]], width: int, n: int
+    ) -> list[torch.Tensor]:
+        """Per sampled row, its recorded routing ``[prompt + decode steps, layers, top_k]`` on the CPU, from
+        the left-padded prefill (``routed[0]``, ``[prompts * width, ...]``) and one ``[rows, ...]`` tensor per
+        decode step (``routed[1:]``)."""
+        prefill = routed[0].cpu().view(len(prompts), width, *routed[0].shape[1:])
+        steps = torch.stack(routed[1:], 1).cpu() if len(routed) > 1 else None
+        rows = []
+        for row in range(len(prompts) * n):
+            prompt = prefill[row // n, width - len(prompts[row // n]) :]
+            # own storage per row: a view would pickle the whole prefill with each sample
+            rows.append(prompt.clone() if steps is None else torch.cat([prompt, steps[row]]))
+        return rows

@@ -25,6 +25,7 @@ the warm-started policy is version 0). Rollout may start step N+1 only while
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -37,13 +38,13 @@ from ray.util.placement_group import remove_placement_group
 from relax_core.algorithm_roles import dynamic_sampling_metrics
 from relax_core.algorithms.spec import requirements
 from relax_core.databus import BUS_CPUS, DataBus, DataBusDown, partition_name, start_databus
-from relax_core.databus.records import SAMPLE_FIELDS
+from relax_core.databus.records import MEDIA_FIELDS, SAMPLE_FIELDS
 from relax_core.engines.base import SamplingParams
-from relax_core.errors import RelaxUserError
+from relax_core.errors import ClusterTooSmall, RelaxUserError
 from relax_core.health import ACTOR_FAILURES, GlobalRestartNeeded
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics, split_evenly
 from relax_core.placement import actor_world_size, helper_ranks, rank_envs, reserve
-from relax_core.ray_groups import RoleGroup
+from relax_core.ray_groups import RoleGroup, actor_class
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
 from relax_core.roles.critic import Critic
@@ -51,7 +52,7 @@ from relax_core.roles.reference import Reference
 from relax_core.roles.rollout import Rollout
 from relax_core.roles.teacher import Teacher
 from relax_core.samples import PromptRecord, Sample
-from relax_core.weight_transfer import WeightTransfer, choose_strategy
+from relax_core.weight_transfer import WeightTransfer
 
 log = logging.getLogger("relax")
 # a role's process, or one of the data bus's, died under a call
@@ -136,6 +137,7 @@ class AsyncMode(Mode):
         self.last_sync_s = self.last_publish_s = 0.0
         self.refresh_reference = False  # a Reference restarted in place awaits the policy it follows
         self.schedule: Schedule | None = None
+        self.agent: ray.actor.ActorHandle | None = None  # rollout.agent: hosts the endpoint and the program
         # per-sample accounting over the run (kept in checkpoints): rows written by the engines, rows the
         # Actor trained on, rows of dropped steps that were generated again
         self.samples = {"trained": 0, "generated": 0, "regenerated": 0}
@@ -157,7 +159,7 @@ class AsyncMode(Mode):
         need += BUS_CPUS[m.databus]
         have = ray.cluster_resources().get("CPU", 0.0)
         if need > have + 1e-9:
-            raise RelaxUserError(
+            raise ClusterTooSmall(
                 f"mode=async needs {need:g} logical CPUs in Ray (rollout {r.num_cpus}x{r.num_engines}, actor "
                 f"{t.num_cpus}x{world}, helpers {m.aux_num_cpus} each, {m.databus} bus {BUS_CPUS[m.databus]:g}) "
                 f"but the cluster has {have:g}: raise cluster.num_cpus or lower rollout.num_cpus/trainer.num_cpus/mode.aux_num_cpus"
@@ -216,6 +218,8 @@ class AsyncMode(Mode):
                 kwargs=kwargs,
             )
         self._connect_weights()
+        if r.agent is not None:
+            self._start_agent()
         log.info(
             "async roles up: %s | databus=%s (%.1f s) | max_staleness=%d | ActorFwd %s | weight transfer: %s",
             ", ".join(f"{k}x{len(g)}" for k, g in self.roles.all().items()),
@@ -223,24 +227,44 @@ class AsyncMode(Mode):
             bus_init_s,
             m.max_staleness,
             "on" if needs.actor_fwd else "off (one optimizer batch per rollout batch)",
-            self.transfer.strategy,
+            self.transfer.describe(),
         )
         return self.roles
+
+    def _start_agent(self) -> None:
+        """``rollout.agent``: the program plays every rollout round through the endpoint over the engines,
+        served by a host actor that writes the episodes to the bus as the engines' own rounds do. It mostly
+        waits, so it takes no CPU of its own; threaded, so its counters answer while a round runs."""
+        from relax_core.agentic.programs import AgentRolloutHost
+
+        engines = list(self.roles.rollout.actors)
+        host = ray.remote(actor_class(AgentRolloutHost)).options(num_cpus=0, max_concurrency=4)
+        self.agent = host.remote(self.cfg, self.ctx.model_path, engines, self.bus, os.getcwd())
 
     def _connect_weights(self) -> None:
         roles = self.roles
         followers = list(roles.rollout.actors) + (list(roles.actor_fwd.actors) if roles.actor_fwd else [])
-        layout = ray.get(roles.actor.call("weights_layout"))[0]  # collective on sharded Actors
-        consumers = followers + (list(roles.reference.actors) if self.ref_every else [])
-        strategy = choose_strategy(self.cfg.weight_transfer.name, "async", roles.actor, consumers, layout)
+        # weight_transfer=auto: each follower's channel reaches where it runs (the Actor's node, or not)
         self.transfer = WeightTransfer(
-            strategy, roles.actor, self.cfg.weight_transfer, self.cfg.output_dir, self.ctx.model_path
+            self.cfg.weight_transfer.name,
+            roles.actor,
+            self.cfg.weight_transfer,
+            self.cfg.output_dir,
+            self.ctx.model_path,
+            mode="async",
         )
         self.transfer.connect("policy", followers)
         if self.ref_every:
             self.transfer.connect("reference", list(roles.reference.actors))
 
     def stop(self) -> None:
+        if self.agent is not None:  # its program copies run in sessions of their own: end them first
+            try:
+                ray.get(self.agent.shutdown.remote(), timeout=60)
+                ray.kill(self.agent)
+            except Exception:  # noqa: BLE001  (best effort while tearing down)
+                pass
+            self.agent = None
         for group in self.roles.all().values():
             try:
                 group.kill()
@@ -266,17 +290,19 @@ class AsyncMode(Mode):
         """Connect a replica restarted in place to the weight transfer; :meth:`_recover` publishes the
         current policy to it once nothing is in flight."""
         super().replaced(role, index, handle)
+        if role == "rollout" and self.agent is not None:
+            ray.get(self.agent.replace_engine.remote(index, handle))
         followers = {"rollout": ("policy", 0), "actor_fwd": ("policy", len(self.roles.rollout))}
         if role == "reference" and self.ref_every:
             followers["reference"] = ("reference", 0)
             self.refresh_reference = True
         if role not in followers:
             return
-        if self.transfer.strategy == "collective":
-            raise GlobalRestartNeeded(
-                f"{role}-{index} restarted, but weight_transfer=collective has fixed members"
-            )
         name, offset = followers[role]
+        if self.transfer.strategy_of(name, offset + index) == "collective":
+            raise GlobalRestartNeeded(
+                f"{role}-{index} restarted, but its weight broadcast group has fixed members"
+            )
         self.transfer.replace(name, offset + index, handle)
 
     def state_dict(self) -> dict[str, Any]:
@@ -326,6 +352,8 @@ class AsyncMode(Mode):
     def generate(
         self, prompts: list[PromptRecord], greedy: bool = False, sampling: SamplingParams | None = None
     ) -> list[Sample]:
+        if self.agent is not None:  # the program plays them (greedy or not), as in colocate
+            return ray.get(self.agent.generate.remote(prompts, greedy))
         actors = self.roles.rollout.actors
         chunks = [c for c in split_evenly(prompts, len(actors)) if c]
         refs = [a.generate.remote(c, greedy, sampling) for a, c in zip(actors, chunks, strict=False)]
@@ -335,7 +363,7 @@ class AsyncMode(Mode):
     def _launch_round(self, st: Schedule, step: int) -> None:
         """One rollout round of ``step``: a batch of prompts over the engines, each filling its share of
         the step's free group slots."""
-        engines, roll = self.roles.rollout.actors, st.roll
+        engines, roll = [self.agent] if self.agent else self.roles.rollout.actors, st.roll
         k = min(len(engines), len(roll["free"]))
         prompts = self.ctx.stream.next_batch(self.cfg.rollout.batch_size)
         roll["round"] += 1
@@ -415,7 +443,8 @@ class AsyncMode(Mode):
         # 5. the Actor trains the oldest unconsumed step as its rows stream in
         s = st.trained + 1
         if st.training is None and s <= total and s < st.next_roll and not self._holds(st, s):
-            need, extras = list(SAMPLE_FIELDS) + list(needs.train_fields), list(needs.train_fields)
+            need = SAMPLE_FIELDS + MEDIA_FIELDS + list(needs.train_fields)
+            extras = list(needs.train_fields)
             self._launch(
                 st, self.roles.actor, "train_from_bus", ("train", s), s, self.step_samples, need, extras
             )
@@ -593,6 +622,8 @@ class AsyncMode(Mode):
             self.last_publish_s,
             info["train_interval_s"],
         )
+        if self.agent is not None:
+            metrics |= ray.get(self.agent.metrics.remote())
         if self.cfg.algorithm.dynamic_sampling:
             metrics |= dynamic_sampling_metrics(
                 info["rounds"],
@@ -659,10 +690,6 @@ def validate_async(cfg) -> None:
             raise RelaxUserError(
                 "mode.deterministic=true needs a frozen Reference (mode.ref_update_interval=0)"
             )
-    if cfg.trainer.backend != "torch":
-        raise RelaxUserError(
-            f"mode=async supports trainer.backend=torch for now, got {cfg.trainer.backend!r}"
-        )
     if m.off_policy_tis_cap is not None and m.off_policy_tis_cap <= 0:
         raise RelaxUserError(f"mode.off_policy_tis_cap must be > 0 or null, got {m.off_policy_tis_cap}")
     if m.aux_num_cpus <= 0:

@@ -18,7 +18,14 @@ from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynami
 from relax_core.algorithms.spec import needs_old_logprobs
 from relax_core.engines.base import SamplingParams
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
-from relax_core.placement import actor_world_size, colocate_bundles, helper_ranks, rank_envs, reserve
+from relax_core.placement import (
+    actor_world_size,
+    bundle_nodes,
+    colocate_bundles,
+    helper_ranks,
+    rank_envs,
+    reserve,
+)
 from relax_core.ray_groups import RoleGroup, SharedProcesses
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
@@ -27,7 +34,7 @@ from relax_core.roles.reference import Reference
 from relax_core.roles.teacher import Teacher
 from relax_core.rollout_pool import RolloutPool
 from relax_core.samples import PromptRecord, Sample, TrainBatch
-from relax_core.weight_transfer import WeightTransfer, choose_strategy
+from relax_core.weight_transfer import WeightTransfer
 
 log = logging.getLogger("relax")
 
@@ -68,12 +75,15 @@ class ColocateMode(Mode):
         for name in needs.model_roles:
             role, path = helper_roles[name]
             setattr(self.roles, name, self._helper_group(role, name, path, name in sharded, world))
-        layout = handles.get(self.roles.actor.call("weights_layout"))[0]  # collective on sharded Actors
-        strategy = choose_strategy(
-            cfg.weight_transfer.name, "colocate", self.roles.actor, pool.actors, layout
-        )
+        if world > 1 and self.pg is not None:  # where Ray put rank i (bundle i): nodes may differ
+            log.info("actor ranks on nodes: %s", ", ".join(bundle_nodes(self.pg)[:world]))
+        # weight_transfer=auto: each engine's channel reaches where it runs (the Actor's process, node, or not)
         self.transfer = WeightTransfer(
-            strategy, self.roles.actor, cfg.weight_transfer, cfg.output_dir, self.ctx.model_path
+            cfg.weight_transfer.name,
+            self.roles.actor,
+            cfg.weight_transfer,
+            cfg.output_dir,
+            self.ctx.model_path,
         )
         self.transfer.connect("policy", list(pool.actors))
         pool.attach(self.transfer)
@@ -84,7 +94,7 @@ class ColocateMode(Mode):
             self.agent.start()
         log.info(
             "colocate roles up | weight transfer: %s | actor+rollout fused: %s | FSDP-sharded helpers: %s",
-            strategy,
+            self.transfer.describe(),
             bool(shared),
             ", ".join(sorted(sharded)) or "none",
         )
@@ -99,8 +109,8 @@ class ColocateMode(Mode):
         return self._ranks(role, name, args, world, kwargs={"sharded": True})
 
     def _ranks(self, role: type, name: str, args: tuple, world: int, **options: Any) -> RoleGroup:
-        """``world`` processes of ``role`` in bundles 0..world-1; several form one gloo/NCCL group on
-        127.0.0.1 (FSDP data-parallel or megatron model-parallel ranks)."""
+        """``world`` processes of ``role`` in bundles 0..world-1; several form one gloo/NCCL group, on
+        one node or several (FSDP data-parallel or megatron model-parallel ranks)."""
         t = self.cfg.trainer
         return RoleGroup(
             role,

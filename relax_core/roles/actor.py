@@ -17,7 +17,7 @@ from relax_core.backends.base import SKIPPED_STEPS
 from relax_core.databus import DataBus, PartitionCancelled, partition_name, sample_key
 from relax_core.databus.stages import MicroStream, score_stage
 from relax_core.errors import nonfinite_weights_error
-from relax_core.placement import data_parallel_size
+from relax_core.placement import actor_world_size, data_parallel_size
 from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
 from relax_core.weight_transfer import WeightReceiver, WeightSource
@@ -74,6 +74,8 @@ class Actor(WeightSource, WeightReceiver):
             temperature=cfg.rollout.temperature,
             seed=cfg.seed,
         )
+        # R3: the log-prob and training forwards replay the rollout engine's MoE routing (torch backend)
+        self.backend.routing_replay = cfg.algorithm.routing_replay
         self._in_warm_start = False
 
     def offload(self) -> None:
@@ -120,9 +122,13 @@ class Actor(WeightSource, WeightReceiver):
                 total_tokens, total_seqs = float(mini.loss_mask.sum()), sequence_count(mini, algo)
 
                 def loss_fn(micro, logprobs, entropy, _t=total_tokens, _s=total_seqs):
-                    return policy_objective(
+                    loss, m = policy_objective(
                         micro, logprobs, entropy, algo, micro_batch_weight(micro, _t, _s, algo)
                     )
+                    # the train-vs-rollout log-prob mismatch, as mode=async reports it (_streamed_loss)
+                    diff = (logprobs.detach() - micro.rollout_logprobs).abs()
+                    m["off_policy/train_rollout_abs_diff"] = float(masked_mean(diff, micro.loss_mask))
+                    return loss, m
 
                 for k, v in self.backend.train_step(mini, loss_fn, trainer.micro_batch_size).items():
                     metrics[k] = metrics.get(k, 0.0) + v
@@ -142,6 +148,8 @@ class Actor(WeightSource, WeightReceiver):
         global_size = trainer.global_batch_size or total
         keys = [sample_key(i) for i in range(total)]
         part = partition_name(step)
+        # megatron: the ranks of one model replica stream the same rows (in order, so in step)
+        replica, in_order = self.backend.data_parallel_rank(self.rank), actor_world_size(trainer) > self.ranks
         sums: dict[str, float] = {}
         updates, wait_s, versions = 0, 0.0, []
         t0 = time.perf_counter()
@@ -149,8 +157,10 @@ class Actor(WeightSource, WeightReceiver):
             for epoch in range(algo.ppo_epochs):
                 for start in range(0, total, global_size):
                     share = min(global_size, total - start) // self.ranks
-                    mine = keys[start + self.rank * share : start + (self.rank + 1) * share]
-                    stream = MicroStream(self.bus, self.pad, part, mine, need, extras, algo, self.backend)
+                    mine = keys[start + replica * share : start + (replica + 1) * share]
+                    stream = MicroStream(
+                        self.bus, self.pad, part, mine, need, extras, algo, self.backend, in_order
+                    )
                     out = self.backend.train_step(stream, self._streamed_loss, trainer.micro_batch_size)
                     out["loss"] = out["loss"] / max(stream.total_weight, 1.0)
                     for k, v in out.items():

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
-from typing import Any
 
 import torch
 
-from relax_core.algorithm_roles import shape_rewards, with_spread
-from relax_core.databus import DataBus, partition_name, sample_key
-from relax_core.databus.records import sample_rows
-from relax_core.databus.stages import prompt_groups
+from relax_core.databus import DataBus
+from relax_core.databus.stages import BusProducer
 from relax_core.engines import build_engine
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.engines.resumable import ResumableEngine
@@ -30,7 +26,7 @@ FINISH_STATUS = {
 }
 
 
-class Rollout(WeightReceiver):
+class Rollout(WeightReceiver, BusProducer):
     """One rollout engine plus the reward executor; replicas split a step's prompts between them.
 
     ``generate`` returns scored samples to the caller (colocate); ``produce`` writes them to the DataBus
@@ -58,6 +54,7 @@ class Rollout(WeightReceiver):
             seed=cfg.seed * 1000 + replica,
             rollout_cfg=cfg.rollout,
             engine_url=engine_url,
+            record_routing=cfg.algorithm.routing_replay,
         )
         self.engine = ResumableEngine(engine, cfg.mode.partial_rollout)
         self.rewards = RewardExecutor.from_config(cfg.reward)
@@ -118,6 +115,7 @@ class Rollout(WeightReceiver):
                     multimodal_inputs=prompt.multimodal_inputs,
                     status=FINISH_STATUS[result.finish_reason],
                     policy_version=result.weight_version,
+                    routing=result.routing,
                 )
             )
         self.score(samples)
@@ -150,65 +148,9 @@ class Rollout(WeightReceiver):
             if error is not None:
                 mark_reward_error(sample, error)
 
-    def produce(self, step: int, prompts: list, slots: list[int], last_round: bool = True) -> dict[str, Any]:
-        """Generate and score ``prompts`` chunk by chunk, writing whole prompt groups into the step's group
-        ``slots`` on the bus (slot g holds positions g·n … g·n+n−1) as each chunk finishes.
-
-        Dynamic sampling writes only groups with reward spread and stops once its slots are full; in the
-        last round the slots still free get zero-spread groups with a zeroed loss mask, so the step keeps
-        its size and the Actor's stream its shape, but those groups add nothing to the loss.
-        """
-        r, a = self.cfg.rollout, self.cfg.algorithm
-        n, chunk = r.n_samples_per_prompt, self.cfg.mode.rollout_chunk_prompts or len(prompts)
-        out: dict[str, Any] = {"rewards": [], "extras": [], "lens": [], "versions": [], "put_s": 0.0}
-        out |= {"filled": [], "errors": [], "kept_groups": 0, "generated_groups": 0, "generated_rewards": []}
-        free, spare = list(slots), []
-        t0 = time.perf_counter()
-        for c in range(0, len(prompts), chunk):
-            if not free:
-                break
-            samples = shape_rewards(self.generate(prompts[c : c + chunk]), a, r.max_new_tokens)
-            out["generated_groups"] += len(samples) // n
-            out["generated_rewards"] += [s.reward for s in samples]
-            kept = with_spread(samples) if a.dynamic_sampling else samples
-            kept_ids = {id(s) for s in kept}
-            spare += [s for s in samples if id(s) not in kept_ids]
-            groups = prompt_groups(kept, n)[: len(free)]
-            out["kept_groups"] += len(groups)
-            free = self._write(step, groups, free, out)
-        if last_round and free:
-            filler = [
-                [replace(s, loss_mask=[0] * len(s.loss_mask)) for s in g] for g in prompt_groups(spare, n)
-            ]
-            free = self._write(step, filler[: len(free)], free, out)
-        out["wall_s"] = time.perf_counter() - t0
-        out["resumed"] = self.engine.resumed
-        return out
-
-    def _write(
-        self, step: int, groups: list[list[Sample]], free: list[int], out: dict[str, Any]
-    ) -> list[int]:
-        """Put ``groups`` into the first free slots (one bus call); returns the slots still free."""
-        if not groups:
-            return free
-        n = self.cfg.rollout.n_samples_per_prompt
-        used, samples = free[: len(groups)], [s for g in groups for s in g]
-        _, fields = sample_rows(samples, 0)
-        t = time.perf_counter()
-        self.bus.put(partition_name(step), [sample_key(g * n + j) for g in used for j in range(n)], fields)
-        out["put_s"] += time.perf_counter() - t
-        out["filled"] += used
-        # the reward errors with their samples' ids (the rewards above carry only 0), for the stop message
-        out["errors"] += [
-            (len(out["rewards"]) + i, s.group_id, s.index_in_group, s.metadata["reward_error"])
-            for i, s in enumerate(samples)
-            if (s.metadata or {}).get("reward_error")
-        ]
-        out["rewards"] += [s.reward for s in samples]
-        out["extras"] += [s.reward_extras for s in samples]
-        out["lens"] += [len(s.response_ids) for s in samples]
-        out["versions"] += [s.policy_version for s in samples]
-        return free[len(groups) :]
+    @property
+    def resumed(self) -> int:
+        return self.engine.resumed
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self.engine.swap(state_dict, version)

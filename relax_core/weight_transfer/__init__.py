@@ -23,25 +23,33 @@ STRATEGIES = ["auto", "shared_memory", "object_store", "collective", "disk"]
 
 class WeightTransfer:
     """Publishes policy versions from ``source`` (a RoleGroup of :class:`WeightSource` ranks; rank 0 holds
-    the weights) to consumer sets (lists of :class:`WeightReceiver` actor handles) through ``strategy``.
+    the weights) to consumer sets (lists of :class:`WeightReceiver` actor handles).
 
-    ``publish_refs`` starts a publish and returns the refs that finish when every consumer loaded it, so
-    async mode can overlap it with training; ``publish`` waits. ``deliver`` brings one consumer outside the
-    sets (an engine added by scale-out, a replica restarted in place) to the newest version.
+    ``strategy`` is the configured one; ``auto`` picks one per consumer (:func:`consumer_strategies`), so a
+    set may mix channels (shared memory to the engines on the Actor's node, the object store or a broadcast
+    group to the others). ``publish_refs`` starts a publish and returns the refs that finish when every
+    consumer loaded it, so async mode can overlap it with training; ``publish`` waits. ``deliver`` brings
+    one consumer outside the sets (an engine added by scale-out) to the newest version.
     """
 
-    def __init__(self, strategy: str, source, cfg, run_dir: str, model_path: str) -> None:
+    def __init__(
+        self, strategy: str, source, cfg, run_dir: str, model_path: str, mode: str = "colocate"
+    ) -> None:
         self.strategy = strategy
+        self.mode = mode
         self.source = source
         self.bucket_mb = cfg.bucket_mb
         self.run_dir = run_dir
         self.model_path = model_path
         self.sets: dict[str, list[Any]] = {}
+        self.routes: dict[str, list[str]] = {}  # set name -> each consumer's strategy
         self.stats = TransferStats()
-        self._latest: tuple[int, Any] | None = None  # (version, payload ref) of the newest publish
+        # (version, payload ref, send-done ref, channel keys) of the newest publish
+        self._latest: tuple[int, Any, Any, set[str]] | None = None
         self._sent_bytes: ray.ObjectRef | None = None  # what the newest publish moved (the source says)
         self._tag = f"relax-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._layout: Layout | None = None
+        self._logged: set[int] = set()  # consumers whose route was logged
 
     @property
     def layout(self) -> Layout:
@@ -50,13 +58,24 @@ class WeightTransfer:
             self._layout = handles.get(self.source.call("weights_layout"))[0]
         return self._layout
 
-    def _spec(self, name: str, members: int, consumers: list[Any] | None = None) -> Any:
-        if self.strategy == "shared_memory":
+    def describe(self) -> str:
+        """The strategies in use, e.g. ``shared_memory`` or ``auto (object_store x2, shared_memory x1)``."""
+        used = [s for route in self.routes.values() for s in route]
+        kinds = sorted(set(used))
+        if len(kinds) == 1:
+            return kinds[0]
+        return f"{self.strategy} ({', '.join(f'{k} x{used.count(k)}' for k in kinds)})"
+
+    def strategy_of(self, name: str, index: int) -> str:
+        return self.routes[name][index]
+
+    def _spec(self, strategy: str, name: str, members: int, consumers: list[Any] | None = None) -> Any:
+        if strategy == "shared_memory":
             from relax_core.weight_transfer.shared_memory import SharedMemorySpec, remove_orphans
 
             remove_orphans()
             return SharedMemorySpec(f"/dev/shm/{self._tag}-{name}", self.layout)
-        if self.strategy == "collective":
+        if strategy == "collective":
             from relax_core.weight_transfer.collective import SyncSpec, collective_backend
 
             host, port = handles.get(self.source.actors[0].free_address.remote())
@@ -67,35 +86,61 @@ class WeightTransfer:
             backend = collective_backend(reports)
             log.info("weight broadcast group %s: %s over %s", name, backend, reports)
             return SyncSpec(name, host, port, members + 1, self.layout, self.bucket_mb, backend)
-        if self.strategy == "in_process":
+        if strategy == "in_process":
             from relax_core.weight_transfer.in_process import InProcessSpec
 
             return InProcessSpec(f"{self._tag}-{name}")
-        if self.strategy == "disk":
+        if strategy == "disk":
             from relax_core.weight_transfer.disk import DiskSpec
 
             return DiskSpec(f"{self.run_dir}/rollout_weights/{name}", self.model_path)
         return None
 
+    def _log_routes(self, consumers: dict[str, Any], routes: list[str], nodes: list[str]) -> None:
+        """Log, once per consumer, the channel that reaches it (``consumers``: label -> handle)."""
+        for (label, consumer), route, node in zip(consumers.items(), routes, nodes, strict=True):
+            if id(consumer) not in self._logged:
+                self._logged.add(id(consumer))
+                log.info("weight transfer: %s %s <- %s", label, node, route)
+
     def connect(self, name: str, consumers: list[Any]) -> None:
-        """Build the channel of consumer set ``name``: the source's end first, then every consumer's."""
-        spec = self._spec(name, len(consumers), consumers)
-        key = f"{self.strategy}:{name}"
-        refs = [self.source.actors[0].source_connect.remote(key, self.strategy, spec)]
-        if self.strategy != "collective":  # the others need the source's end in place first
-            handles.get(refs)
-            refs = []
-        refs += [c.weights_connect.remote(key, self.strategy, spec, i + 1) for i, c in enumerate(consumers)]
-        handles.get(refs, timeout=300)
+        """Build the channels of consumer set ``name``: per strategy, the source's end first, then every
+        consumer's."""
+        routes, nodes = consumer_strategies(
+            self.strategy, self.mode, self.source, consumers, self.layout, strict=True
+        )
+        self._log_routes({f"{name} consumer {i}": c for i, c in enumerate(consumers)}, routes, nodes)
+        for strategy in sorted(set(routes), key=_SEND_ORDER.index):
+            members = [(i, c) for i, c in enumerate(consumers) if routes[i] == strategy]
+            spec = self._spec(strategy, name, len(members), [c for _, c in members])
+            key = f"{strategy}:{name}"
+            refs = [self.source.actors[0].source_connect.remote(key, strategy, spec)]
+            if strategy != "collective":  # the others need the source's end in place first
+                handles.get(refs)
+                refs = []
+            # a consumer's rank counts within its channel (a broadcast group's ranks are 1..members)
+            refs += [c.weights_connect.remote(key, strategy, spec, r + 1) for r, (_, c) in enumerate(members)]
+            handles.get(refs, timeout=300)
         self.sets[name] = list(consumers)
+        self.routes[name] = routes
 
     def replace(self, name: str, index: int, consumer: Any) -> None:
-        """Member ``index`` of set ``name`` was restarted: connect its replacement in its place."""
-        if self.strategy == "collective":
+        """Member ``index`` of set ``name`` was restarted (maybe on another node): connect its replacement
+        in its place, through the channel that reaches where it now runs."""
+        if self.routes[name][index] == "collective":
             raise RuntimeError("a broadcast group's members are fixed; it cannot take a restarted replica")
-        key = f"{self.strategy}:{name}"
-        handles.get(consumer.weights_connect.remote(key, self.strategy, self._spec(name, 0), index + 1))
+        (route,), nodes = consumer_strategies(
+            self.strategy, self.mode, self.source, [consumer], self.layout, strict=True, cross="object_store"
+        )
+        key = f"{route}:{name}"
+        spec = self._spec(route, name, 0)
+        if route not in self.routes[name]:  # the first of the set on this channel: open the source's end
+            handles.get(self.source.actors[0].source_connect.remote(key, route, spec))
+        self._logged.discard(id(consumer))
+        self._log_routes({f"{name} consumer {index}": consumer}, [route], nodes)
+        handles.get(consumer.weights_connect.remote(key, route, spec, index + 1))
         self.sets[name][index] = consumer
+        self.routes[name][index] = route
 
     def snapshot(self, version: int) -> list[ray.ObjectRef]:
         """Keep a copy of the current weights as ``version`` on every source rank (async: publish later)."""
@@ -105,15 +150,22 @@ class WeightTransfer:
         names = tuple(n for n in names if self.sets.get(n))
         if not names:
             return []
-        keys = [f"{self.strategy}:{n}" for n in names]
+        # the channel whose payload consumers read (object store, disk) goes last: the source returns the
+        # payload of its last channel
+        keys = sorted(
+            {f"{s}:{n}" for n in names for s in self.routes[n]},
+            key=lambda k: _SEND_ORDER.index(k.split(":", 1)[0]),
+        )
         sends = [a.weights_send.options(num_returns=3).remote(keys, version) for a in self.source.actors]
         payload, sent_bytes, send_s = sends[0]
-        # collective consumers must run while the source sends; the others read what the send left
-        arg = None if self.strategy == "collective" else payload
         refs = [send_s, sent_bytes] + [r for extra in sends[1:] for r in extra]
-        for name, key in zip(names, keys, strict=True):
-            refs += [c.weights_receive.remote(key, arg, version) for c in self.sets[name]]
-        self._latest = (version, payload)
+        for name in names:
+            for consumer, route in zip(self.sets[name], self.routes[name], strict=True):
+                # collective consumers must run while the source sends; the others read what it left, so
+                # they wait for the send (its payload, or its tiny timing for channels that ignore it)
+                arg = None if route == "collective" else payload if route in _PAYLOAD else send_s
+                refs.append(consumer.weights_receive.remote(f"{route}:{name}", arg, version))
+        self._latest = (version, payload, send_s, set(keys))
         self._sent_bytes = sent_bytes
         return refs
 
@@ -132,26 +184,25 @@ class WeightTransfer:
 
     def deliver(self, consumer: Any, version: int | None = None) -> ray.ObjectRef:
         """Bring ``consumer`` to the newest published version (or ``version`` straight from the source)."""
-        if self._latest is None or version is not None or not self._channel_reaches(consumer):
-            # a broadcast group has fixed members, the in-process hand-over only its own process: such a
-            # newcomer gets the weights through the object store
-            latest = self._latest[0] if self._latest else 0
+        (route,), nodes = consumer_strategies(
+            self.strategy, self.mode, self.source, [consumer], self.layout, strict=False, cross="object_store"
+        )
+        key = f"{route}:policy"
+        if self._latest is None or version is not None or key not in self._latest[3] or route == "collective":
+            # no channel of its kind was published into (or a broadcast group, whose members are fixed):
+            # the newcomer gets the weights through the object store
+            route, latest = "object_store", self._latest[0] if self._latest else 0
+            self._log_routes({"a late consumer": consumer}, [f"{route} (from the source)"], nodes)
             v = latest if version is None else version
             weights = self.source.call("state_dict")[0]  # every rank gathers; rank 0 returns the weights
             return consumer.weights_receive.remote(None, weights, v)
-        v, payload = self._latest
-        key = f"{self.strategy}:policy"
-        handles.get(consumer.weights_connect.remote(key, self.strategy, self._spec("policy", 0), 1))
-        return consumer.weights_receive.remote(key, payload, v)
-
-    def _channel_reaches(self, consumer: Any) -> bool:
-        """Whether ``consumer`` can join this strategy's channel after the fact."""
-        if self.strategy == "in_process":
-            return same_process(consumer, self.source.actors[0])
-        return self.strategy != "collective"
+        self._log_routes({"a late consumer": consumer}, [route], nodes)
+        v, payload, sent, _ = self._latest
+        handles.get(consumer.weights_connect.remote(key, route, self._spec(route, "policy", 0), 1))
+        return consumer.weights_receive.remote(key, payload if route in _PAYLOAD else sent, v)
 
     def close(self) -> None:
-        if self.strategy == "shared_memory":  # the files outlive a killed source otherwise
+        if any("shared_memory" in r for r in self.routes.values()):  # the files outlive a killed source
             import glob
 
             for path in glob.glob(f"/dev/shm/{self._tag}-*"):
@@ -161,20 +212,57 @@ class WeightTransfer:
                     pass
 
 
-def choose_strategy(configured: str, mode: str, source, consumers: list[Any], layout: Layout) -> str:
-    """``auto``: in-process when every consumer shares the source's process, else shared memory when every
-    consumer shares the source's node (and /dev/shm has room), else the object store (colocate) or a
-    broadcast group (async)."""
-    if configured != "auto":
-        return configured
-    if consumers and all(same_process(c, source.actors[0]) for c in consumers):
-        return "in_process"
-    from relax_core.weight_transfer.shared_memory import shared_memory_fits
+# publish order of the channels; those in _PAYLOAD hand consumers the source's return value
+_SEND_ORDER = ["in_process", "shared_memory", "collective", "disk", "object_store"]
+_PAYLOAD = {"object_store", "disk"}
 
-    nodes = handles.get([c.node_id.remote() for c in [source.actors[0], *consumers]])
-    if len(set(nodes)) == 1 and shared_memory_fits(layout, copies=2):
-        return "shared_memory"
-    return "collective" if mode == "async" else "object_store"
+
+def consumer_strategies(
+    configured: str,
+    mode: str,
+    source,
+    consumers: list[Any],
+    layout: Layout,
+    strict: bool = True,
+    cross: str | None = None,
+) -> tuple[list[str], list[str]]:
+    """(each consumer's strategy, where each consumer runs, for the log). ``auto``: in-process for a consumer in the
+    source's process, shared memory for one on the source's node (when the source's /dev/shm has room),
+    else the object store (colocate; ``cross`` overrides it) or a broadcast group (async). A forced
+    ``shared_memory`` with a consumer on another node is a :class:`RelaxUserError` (``strict``), else that
+    consumer goes through the object store."""
+    from relax_core.errors import RelaxUserError
+
+    source0 = source.actors[0]
+    local = [same_process(c, source0) for c in consumers]
+    if all(local):  # cluster=in_process, or colocate's fused Actor + engine: no Ray query needed
+        route = "in_process" if configured == "auto" else configured
+        return [route] * len(consumers), ["in the Actor's process"] * len(consumers)
+    where = handles.get([c.node_address.remote() for c in [source0, *consumers]])
+    (src_node, src_ip), placed = where[0], where[1:]
+    nodes = [f"on node {ip} (Actor on {src_ip})" for _, ip in placed]  # for the log
+    if configured != "auto":
+        # the in-process hand-over reaches only the source's own process
+        routes = [configured if here or configured != "in_process" else "object_store" for here in local]
+        if configured == "shared_memory":
+            away = [i for i, (node, _) in enumerate(placed) if node != src_node]
+            if away and strict:
+                i = away[0]
+                raise RelaxUserError(
+                    f"weight_transfer=shared_memory: consumer {i} runs on node {placed[i][1]}, the Actor on "
+                    f"{src_ip}, and /dev/shm does not cross nodes: set weight_transfer=auto (or object_store)"
+                )
+            routes = ["object_store" if i in away else r for i, r in enumerate(routes)]
+        return routes, nodes
+    remote = cross or ("collective" if mode == "async" else "object_store")
+    shm = any(node == src_node for node, _ in placed) and handles.get(
+        source0.shared_memory_room.remote(layout, 2)
+    )
+    routes = [
+        "in_process" if here else "shared_memory" if shm and node == src_node else remote
+        for here, (node, _) in zip(local, placed, strict=True)
+    ]
+    return routes, nodes
 
 
 def same_process(a: Any, b: Any) -> bool:
@@ -192,7 +280,7 @@ __all__ = [
     "WeightReceiver",
     "WeightSource",
     "WeightTransfer",
-    "choose_strategy",
+    "consumer_strategies",
     "layout_of",
     "plan_buckets",
 ]

@@ -15,9 +15,10 @@ disk            engines that only reload from files   an HF folder per version (
 in_process      in the Actor's own process            none: the consumer loads the source's tensors
 ==============  ====================================  ============================================
 
-``weight_transfer=auto`` picks ``in_process`` when every consumer shares the Actor's process (colocate's
-fused Actor + engine), else shared memory when every consumer runs on the Actor's node, else the
-object store (colocate: consumers come and go with elastic scaling) or the collective (async: a fixed set).
+``weight_transfer=auto`` picks per consumer: ``in_process`` for one in the Actor's process (colocate's
+fused Actor + engine), shared memory for one on the Actor's node, else the object store (colocate:
+consumers come and go with elastic scaling) or the collective (async: a fixed set); one publish feeds
+every channel its set uses. A forced ``shared_memory`` with a consumer on another node fails at launch.
 Every publish reports its bytes and seconds (``weights/bytes``, ``time/weight_sync_s``).
 """
 
@@ -58,10 +59,18 @@ class _WeightEndpoint:
             self._channels: dict[str, Channel] = {}
         return self._channels
 
-    def node_id(self) -> str:
+    def node_address(self) -> tuple[str, str]:
+        """(node id, node IP) of this process: which consumers share the source's node."""
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def shared_memory_room(self, layout: Layout, copies: int) -> bool:
+        """Whether this node's /dev/shm holds ``copies`` of the weights (asked of the source, whose node's
+        /dev/shm the files would live in)."""
+        from relax_core.weight_transfer.shared_memory import shared_memory_fits
+
+        return shared_memory_fits(layout, copies)
 
     def device_report(self) -> tuple[str, list[str]]:
         """(node id, GPU ids Ray gave this process): what picks a broadcast group's backend."""

@@ -49,6 +49,32 @@ class SyncSpec:
     timeout_s: float = 300.0
 
 
+class BroadcastPeerLost(RuntimeError):
+    """A member of a broadcast group died under a broadcast: the group is broken for every member, as if
+    the member's actor error had reached them (the HealthManager recovers)."""
+
+
+def gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A gloo group whose members advertise the interface holding their Ray node IP where the hostname
+    resolves elsewhere (often loopback, which members on other nodes cannot reach)."""
+    from relax_core.placement import gloo_interface
+
+    interface = None
+    try:
+        import ray
+
+        if ray.is_initialized():
+            interface = gloo_interface(ray.util.get_node_ip_address())
+    except ImportError:  # cluster=in_process without Ray: one process, loopback is right
+        pass
+    if interface is None:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
 class WeightSyncGroup(Channel):
     """One member of a broadcast group; rank 0 sends, every other rank receives."""
 
@@ -63,14 +89,17 @@ class WeightSyncGroup(Channel):
             self.pg = dist.ProcessGroupNCCL(store, rank, spec.world_size)
         else:
             self.device = torch.device("cpu")
-            self.pg = dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
+            self.pg = gloo_group(store, rank, spec.world_size, timeout)
         self.buckets = plan_buckets(spec.layout, spec.bucket_mb)
         self.bytes_sent = 0
 
     def _broadcast(self, flat: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([flat], opts).wait()
+        try:
+            self.pg.broadcast([flat], opts).wait()
+        except RuntimeError as err:  # gloo/NCCL: a member's process (or node) is gone
+            raise BroadcastPeerLost(f"weight broadcast group {self.spec.name}: {err}") from err
 
     def send(self, state_dict: dict[str, torch.Tensor], version: int = 0) -> None:
         """Rank 0: broadcast ``state_dict`` bucket by bucket."""

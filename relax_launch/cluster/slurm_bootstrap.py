@@ -229,7 +229,7 @@ def bootstrap_ray_in_allocation(
         "--include-dashboard=false",
     ]
     log.info("starting Ray head at %s on %s (%d node(s))", address, head_host, alloc.num_nodes)
-    head = _spawn(head_cmd)
+    head = _spawn(head_cmd, ray_node=True)
     try:
         wait_for_nodes(1, timeout_s, address=address, watch=head)
         if alloc.num_nodes > 1 and not alloc.one_task_per_node:
@@ -257,7 +257,7 @@ def serve_ray_worker(
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     _wait_until_reachable(address, timeout_s)
     alloc = SlurmAllocation.from_env()
-    worker = _spawn(_ray_start_args(alloc, num_cpus, num_gpus) + [f"--address={address}"])
+    worker = _spawn(_ray_start_args(alloc, num_cpus, num_gpus) + [f"--address={address}"], ray_node=True)
     try:
         misses = 0
         while worker.poll() is None and misses < 3:  # 3 missed probes ~ 3 s after the head stopped
@@ -311,6 +311,14 @@ def stop_ray(timeout_s: float = 15.0) -> None:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its node
     _reap(nodes, deadline)
+    # Ray's dashboard and runtime-env agents outlive their node's `ray start` when the head is gone first: they
+    # report the raylet's end to the dead GCS and hang there (seen for over 45 s on the other nodes of a job).
+    # They share the node's process group, which ends with it.
+    for proc in nodes:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     # Workers started by srun see the head go away and exit 0 within seconds, so their step ends COMPLETED;
     # SIGTERM to srun (the step is cancelled) only when they do not.
     _reap(_worker_steps, min(deadline, time.monotonic() + 10.0), signal.SIGTERM)
@@ -435,13 +443,21 @@ def _die_with_parent() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _spawn(cmd: list[str]) -> subprocess.Popen:
+def _spawn(cmd: list[str], ray_node: bool = False) -> subprocess.Popen:
+    """``cmd`` as a child that dies with this process; ``ray_node``: a ``ray start``, in a process group of its
+    own so that :func:`stop_ray` can end every process of the node."""
     log.debug("spawn: %s", " ".join(cmd))
     env = dict(os.environ)
     # On SIGTERM a Ray node first asks the GCS to drain it (up to 30 s, longer still once the head is gone);
     # a job's cluster ends as a whole, so tear down at once.
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        preexec_fn=_die_with_parent,
+        process_group=0 if ray_node else None,
+    )
     _children.append(proc)
     return proc
 

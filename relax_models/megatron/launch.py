@@ -2,8 +2,9 @@
 
 The training world of one Actor group is the smallest number of processes every megatron parallel
 dimension and ``trainer.dp_size`` replicas fit in (:func:`training_world_size`). Each process is one Actor
-rank and gets the ``torch.distributed`` rank environment from ``relax_core.placement.rank_env``; the
-ranks of one data-parallel replica share a slice of each batch, the replicas split it.
+rank and gets the ``torch.distributed`` rank environment from ``relax_core.placement.rank_env`` (the
+ranks meet wherever Ray puts them: ``join_rendezvous``); the ranks of one data-parallel replica share a
+slice of each batch, the replicas split it.
 """
 
 from __future__ import annotations
@@ -88,11 +89,6 @@ def check_megatron_launch(cfg: Any) -> int:
             "tensor and expert parallelism only so far; set pipeline=1 and context=1"
         )
     world = training_world_size(sizes, cfg.trainer.dp_size)
-    if world > 1 and cfg.mode.name != "colocate":
-        raise RelaxUserError(
-            f"trainer.megatron sizes need {world} Actor processes, which only mode=colocate starts so far; "
-            f"use mode=colocate, or mode={cfg.mode.name} with tensor=1 and expert=1"
-        )
     arch = _launch_arch(cfg.model)
     if arch is not None:
         validate_parallel_sizes(arch, sizes, world)

@@ -56,10 +56,7 @@ def test_agent_config_errors_name_the_key():
         bad.rollout.agent = AgentProgramConfig(**({"command": ["python", "agent.py"]} | {key: value}))
         with pytest.raises(RelaxUserError, match=needle):
             validate_agent_program(bad)
-    cfg.mode.name = "async"
-    with pytest.raises(RelaxUserError, match="mode=colocate"):
-        validate_agent_program(cfg)
-    cfg.mode.name, cfg.rollout.env = "colocate", {"_target_": "relax_core.agentic.envs.CalculatorEnv"}
+    cfg.rollout.env = {"_target_": "relax_core.agentic.envs.CalculatorEnv"}
     with pytest.raises(RelaxUserError, match="exclude each other"):
         validate_agent_program(cfg)
 

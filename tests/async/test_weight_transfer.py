@@ -185,7 +185,7 @@ def test_auto_hands_weights_over_in_process_to_a_consumer_sharing_the_source_pro
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from relax_core.ray_groups import RoleGroup, SharedProcesses
-    from relax_core.weight_transfer import choose_strategy
+    from relax_core.weight_transfer import consumer_strategies
 
     pg = placement_group([{"CPU": 0.2}])
     ray.get(pg.ready(), timeout=120)
@@ -193,9 +193,9 @@ def test_auto_hands_weights_over_in_process_to_a_consumer_sharing_the_source_pro
     source = RoleGroup(Source, "source", 1, pg, [0], 0.1, 0, shared=shared)
     consumer = RoleGroup(Consumer, "consumer", 1, pg, [0], 0.1, 0, shared=shared)
     try:
-        strategy = choose_strategy("auto", "colocate", source, consumer.actors, layout_of(make_state(0)))
-        assert strategy == "in_process"
-        transfer = WeightTransfer(strategy, source, WeightTransferConfig(), str(tmp_path), None)
+        routes, _ = consumer_strategies("auto", "colocate", source, consumer.actors, layout_of(make_state(0)))
+        assert routes == ["in_process"]
+        transfer = WeightTransfer("auto", source, WeightTransferConfig(), str(tmp_path), None)
         transfer.connect("policy", consumer.actors)
         for version in (1, 2):
             ray.get(source.actors[0].set_version.remote(version))

@@ -78,12 +78,6 @@ def test_validation_checks_modality_against_family(model: str, modality: str, ok
             validate(cfg)
 
 
-def test_async_mode_is_refused_for_media_until_its_bus_carries_them() -> None:
-    cfg = _compose(["experiment=vision_colors_tiny_vl", "mode=async"])
-    with pytest.raises(RelaxUserError, match="mode=async does not carry multimodal inputs"):
-        validate(cfg)
-
-
 def test_launcher_refuses_a_modality_the_family_cannot_take(tmp_path: Path) -> None:
     result = _launch(["model=tiny_qwen3_vl", "modality=audio", f"hydra.run.dir={tmp_path}"], tmp_path)
     assert result.returncode == 2

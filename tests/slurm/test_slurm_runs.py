@@ -1,6 +1,6 @@
-"""Real Slurm, real runs: ``cluster=slurm`` submits a training run that is preempted, requeues and resumes;
-``hydra/launcher=slurm`` runs a 2-point sweep as a job array, each point with its own Ray cluster, nested
-under one MLflow parent run.
+"""Real Slurm, real runs: ``hydra/launcher=slurm`` runs a 2-point sweep as a job array, each point with its own
+Ray cluster, nested under one MLflow parent run. (``cluster=slurm`` preempted, requeued and resumed runs across
+two nodes in ``tests/multinode/test_multinode_slurm.py``.)
 
 Needs a running Slurm with accounting (``eval "$(tests/slurm/start_cluster.sh)"``); skipped otherwise.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,86 +17,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "resilience"))
 
-from resilience_helpers import TINY_RUN, compose, read_metrics, wait_for_step  # noqa: E402
-from test_slurm_infra import _assert_completed, _assert_nothing_left, requires_slurm  # noqa: E402
+from resilience_helpers import TINY_RUN, read_metrics  # noqa: E402
+from test_slurm_infra import requires_slurm  # noqa: E402
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 # Ray inside the job advertises the job's CPUs; the roles of the tiny run need one CPU in all
 SLURM_RUN = [o for o in TINY_RUN if not o.startswith("cluster.")]
-
-
-def _release_requeued(job_id: str, timeout_s: float = 120.0) -> None:
-    """Slurm holds a requeued batch job for ~2 min (BeginTime); an admin may start it early, as here.
-
-    Not at once: slurmd refuses a launch whose credential is from the same second as the kill of the
-    previous attempt ("already killed, do not launch batch job") and the job then FAILS. The hold exists
-    to avoid that; a start a few seconds out keeps clear of it.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True, timeout=15
-        ).stdout.split()
-        if out[:2] == ["PENDING", "BeginTime"]:
-            subprocess.run(
-                ["scontrol", "update", f"JobId={job_id}", "StartTime=now+3"], check=True, timeout=15
-            )
-            return
-        if out and out[0] == "RUNNING" and _restarts(job_id) >= 1:
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"job {job_id} was not requeued")
-
-
-def _restarts(job_id: str) -> int:
-    out = subprocess.run(
-        ["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=15
-    ).stdout
-    field = next((f for f in out.split() if f.startswith("Restarts=")), "Restarts=0")
-    return int(field.split("=")[1])
-
-
-@requires_slurm
-def test_cluster_slurm_run_is_preempted_requeues_and_resumes(tmp_path: Path) -> None:
-    from omegaconf import OmegaConf
-
-    from relax_launch.cluster.slurm_submit import SlurmSubmitLauncher
-    from relax_launch.experiment import run_experiment_on_ray
-
-    run_dir = tmp_path / "run"
-    steps = 40
-    cfg = compose(
-        [
-            *SLURM_RUN,
-            "cluster=slurm",
-            "cluster.cpus_per_task=2",
-            "cluster.time_min=30",
-            "cluster.job_name=relax-requeue-test",
-            # steps take 0.05 s on a fast host and the signal ~0.2 s to arrive (plus the 0.2 s poll): enough
-            # steps after step 2 that it always lands mid-run
-            f"trainer.total_steps={steps}",
-            "trainer.save_every=100",  # no periodic checkpoint mid-run: the one resumed from is the signal's
-        ],
-        run_dir,
-    )
-    job = SlurmSubmitLauncher(OmegaConf.to_object(cfg).cluster).submit(cfg, run_experiment_on_ray)
-    wait_for_step(run_dir, 2)
-    # the time-limit signal submitit asks Slurm for (what `#SBATCH --signal=USR2@...` sends)
-    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=15)
-    _release_requeued(job.job_id)
-    summary = job.result()
-
-    assert summary["status"] == "finished", summary
-    assert _restarts(job.job_id) == 1
-    resumed = Path(summary["resumed_from"])
-    interrupted_at = int(resumed.name.split("_")[1])
-    assert 2 <= interrupted_at < steps  # saved at the end of the step running when the signal came
-    # every step exactly once across the two attempts, and the model was exported by the second one
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(0, steps + 1))
-    assert (run_dir / "final_model" / "config.json").is_file()
-    _assert_completed(job)
-    _assert_nothing_left(job.job_id)
 
 
 @requires_slurm
