@@ -82,7 +82,7 @@ def check_shared_dir(path: str | os.PathLike, setting: str, timeout_s: float = 1
         seen = ray.get(refs, timeout=timeout_s)
     finally:
         marker.unlink(missing_ok=True)
-    blind = [n["NodeManagerAddress"] for n, ok in zip(nodes, seen, strict=True) if not ok]
+    blind = sorted(n["NodeManagerAddress"] for n, ok in zip(nodes, seen, strict=True) if not ok)
     if blind:
         raise RelaxUserError(
             f"{setting}={path} is not visible from Ray node(s) {', '.join(blind)} of this {len(nodes)}-node "

@@ -155,7 +155,7 @@ def test_roles_see_the_gpus_they_were_given_and_the_backend_follows(fake_gpus) -
     transfer = WeightTransfer("collective", actor, WeightTransferConfig(), ".", ".")
 
     def backend(consumers: list) -> str:
-        return transfer._spec("policy", len(consumers), consumers).backend
+        return transfer._spec("collective", "policy", len(consumers), consumers).backend
 
     assert backend([rollout.actors[1], engine.actors[0]]) == "nccl"  # each on a GPU of its own
     assert backend(rollout.actors) == "gloo"  # rollout 0 shares the Actor's GPU

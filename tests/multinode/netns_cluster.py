@@ -85,6 +85,7 @@ class NetnsCluster:
         self._cpus: list[float] = list(cpus)
         self._anchors: dict[int, subprocess.Popen] = {}
         self._raylets: dict[int, subprocess.Popen] = {}
+        self._log_start: dict[int, int] = {}  # where this start of a node's `ray start` begins in its log
         self._started = False
 
     # -- addresses -----------------------------------------------------------------------------------------
@@ -114,6 +115,13 @@ class NetnsCluster:
 
     def start(self) -> None:
         self._started = True
+        try:
+            self._start_all()
+        except BaseException:  # a failed start leaves nothing running (``__exit__`` is not called then)
+            self.stop()
+            raise
+
+    def _start_all(self) -> None:
         _sh("ip", "link", "add", self.bridge, "type", "bridge")
         _sh("ip", "link", "set", self.bridge, "up")
         # one node after another (raylets joining at once can time out registering), then one check
@@ -146,7 +154,9 @@ class NetnsCluster:
             ray += ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"]
         else:
             ray += [f"--address={self.address}"]
+        # appended: the log keeps every start of the node (a restart, a second cluster of this process)
         log = open(self.log_path(node), "ab")  # noqa: SIM115 - the raylet writes it for its whole life
+        self._log_start[node] = log.tell()
         self._raylets[node] = self.popen(node, ray, stdout=log, stderr=subprocess.STDOUT)
 
     def _start_namespace(self, node: int) -> None:
@@ -184,7 +194,7 @@ class NetnsCluster:
     def _wait_started(self, node: int, timeout_s: float) -> None:
         """Until node ``node``'s ``ray start`` says it is up (it prints that before it blocks)."""
         deadline = time.monotonic() + timeout_s
-        while b"Ray runtime started" not in self.log_path(node).read_bytes():
+        while b"Ray runtime started" not in self.log_path(node).read_bytes()[self._log_start[node] :]:
             if self._raylets[node].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"node {node}'s `ray start` did not start Ray; see {self.log_path(node)}")
             time.sleep(0.2)

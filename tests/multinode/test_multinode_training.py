@@ -108,10 +108,24 @@ def test_fsdp_ranks_on_two_nodes_take_the_single_rank_steps_and_resume_from_thei
     AutoModelForCausalLM.from_pretrained(resumed / "final_model")
 
 
-def test_megatron_tensor_parallel_ranks_on_two_nodes_finish(cluster: NetnsCluster, tmp_path: Path) -> None:
-    """TP=2: the two halves of every layer on two nodes, all-reducing through rank 0's node IP."""
-    run = tmp_path / "megatron"
-    overrides = [*RUN, "trainer=megatron", "trainer.megatron.tensor=2", *SPREAD, "trainer.total_steps=2"]
-    rows = _finished(_launch(cluster, run, overrides), run)
+def test_megatron_tensor_parallel_ranks_on_two_nodes_take_the_one_node_steps(
+    cluster: NetnsCluster, tmp_path: Path
+) -> None:
+    """TP=2 with the two halves of every layer on two nodes, all-reducing through rank 0's node IP, against
+    TP=1 on the head alone. Both start from the same warm-start and differ only by the all-reduce's summation
+    order, so they sample the same tokens: equal rewards, and loss / gradient norm / entropy equal to float
+    noise. The warm-started weights reach the engine only through rank 0's ``state_dict``: the greedy eval
+    after the warm-start differs from the one before it."""
+    small = [o for o in RUN if not o.startswith(("trainer.sft_warmup_steps", "trainer.total_steps"))]
+    small += ["trainer=megatron", "trainer.sft_warmup_steps=10", "trainer.total_steps=2", *SPREAD]
+    one = _finished(_launch(cluster, tmp_path / "tp1", small), tmp_path / "tp1")
+    run = tmp_path / "tp2"
+    two = _finished(_launch(cluster, run, [*small, "trainer.megatron.tensor=2"]), run)
     assert TWO_NODES.search((run / "cli.log").read_text())
-    assert sorted(rows) == [1, 2]
+    assert sorted(two) == sorted(one) == [1, 2]
+    start = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][0]
+    assert start["step"] == 0 and start["eval/reward"] != start["eval/reward_init"]  # published weights used
+    for step in (1, 2):
+        assert two[step]["reward/mean"] == pytest.approx(one[step]["reward/mean"], abs=1e-6), step
+        for key in ("loss", "pg_loss", "entropy", "grad_norm", "lr"):
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-3, abs=1e-6), (step, key)
