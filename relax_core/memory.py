@@ -20,7 +20,8 @@ is built and no weight is read. The arithmetic follows what the code allocates:
   ``CHUNK_BYTES``, above it four fp32 buffers of one chunk (and, packed, the logits' gradient);
 - the torch engine's KV cache: ``[layers, slots, kv_heads, T, head_dim]`` twice, slots = the samples it is
   sent (at most ``rollout.max_running``, at least 8), T = prompt + response rounded up to 64
-  (engines/torch_engine.py); vLLM/SGLang reserve ``rollout.memory_fraction`` of their GPU;
+  (engines/torch_engine.py), at most ``rollout.kv_cache_tokens`` slots x T when that is set; vLLM/SGLang
+  reserve ``rollout.memory_fraction`` of their GPU;
 - in colocate the engines keep their memory while the trainer steps, so a shared GPU holds both.
 """
 
@@ -263,8 +264,8 @@ HINTS = {
     "activations": "set model.gradient_checkpointing=true or lower trainer.micro_batch_size "
     "(trainer.max_tokens_per_micro_batch)",
     "logits": "lower trainer.micro_batch_size or trainer.max_tokens_per_micro_batch (or rollout.max_new_tokens)",
-    "kv_cache": "lower rollout.max_running (samples decoded at once) or rollout.max_new_tokens, "
-    "or set rollout.dtype=bfloat16",
+    "kv_cache": "set rollout.kv_cache_tokens (or lower rollout.max_running, the samples decoded at once) or "
+    "lower rollout.max_new_tokens, or set rollout.dtype=bfloat16",
     "engine_weights": "set rollout.dtype=bfloat16 or rollout.tensor_parallel_size",
     "reserved": "lower rollout.memory_fraction",
     "sampling": "lower rollout.max_running",
@@ -520,7 +521,11 @@ def engine_memory(cfg: Any, arch: Arch, index: int, gpu: bool, capacity: float |
     samples = math.ceil(r.batch_size * r.n_samples_per_prompt / r.num_engines)
     slots = max(min(r.max_running, samples), 8)
     length = -(-(prompt + response) // 64) * 64
-    kv = 2 * arch.num_layers * slots * arch.kv_dim * length * eb
+    tokens = slots * length
+    if r.kv_cache_tokens is not None:  # the engine admits only the rows of this many tokens
+        tokens = min(tokens, r.kv_cache_tokens)
+        slots = min(slots, max(r.kv_cache_tokens // (prompt + response), 1))
+    kv = 2 * arch.num_layers * tokens * arch.kv_dim * eb
     # per decode step: fp32 logits of every slot, softmax and sampling scratch
     sampling = slots * arch.vocab_size * 4 * 3
     return RoleMemory(role, {"engine_weights": weights, "kv_cache": float(kv), "sampling": float(sampling)})
@@ -571,6 +576,11 @@ def estimate(cfg: Any) -> MemoryReport:
     notes = []
     if cfg.algorithm.teacher is not None:
         notes.append("the Teacher is sized as the policy's architecture")
+    if cfg.rollout.release_memory_during_train and cfg.mode.name == "colocate":
+        notes.append(
+            "rollout.release_memory_during_train frees the engines' KV cache while the trainer steps; "
+            "the totals still count both (an upper bound)"
+        )
     if cfg.trainer.backend == "torch" and cfg.trainer.offload:
         notes.append(
             "trainer.offload frees the Actor's GPU only while engines generate; the peak is training"

@@ -13,6 +13,10 @@ Scaling requests run in a background thread through the states
 ``PENDING -> DRAINING -> REMOVING -> COMPLETED`` (or ``FAILED``) for scale-in. At most one request is
 unfinished at a time. A new engine gets the current weights under the same lock as the training loop's
 weight push, so it can never serve a stale policy.
+
+Both modes use the pool: colocate calls :meth:`RolloutPool.generate`; async (``bus`` given) hands each
+rollout round to :meth:`RolloutPool.serving` itself, counts it in flight with :meth:`RolloutPool.busy` for
+scale-in to drain, and publishes through :meth:`RolloutPool.start_push` while the Actor trains.
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
 log = logging.getLogger("relax")
+# external servers load each version from an HF folder of the Actor's weights, which only colocate's
+# pauses between steps can write consistently
+EXTERNAL_NEEDS_COLOCATE = (
+    "external rollout engines (engine_urls) need mode=colocate; in mode=async scale out with num_replicas"
+)
 
 
 class ScaleState(enum.StrEnum):
@@ -123,8 +132,10 @@ class RolloutPool(RoleGroup):
         pg: PlacementGroup,
         bundles: list[int],
         shared: SharedProcesses | None = None,
+        bus: Any = None,
     ) -> None:
-        """``shared``: the launch engines live in these processes (colocate: the Actor's)."""
+        """``shared``: the launch engines live in these processes (colocate: the Actor's); ``bus``: every
+        engine, scaled ones included, writes its samples to this DataBus (mode=async)."""
         r = cfg.rollout
         super().__init__(
             Rollout,
@@ -136,9 +147,11 @@ class RolloutPool(RoleGroup):
             r.num_gpus,
             (cfg, model_path),
             pass_replica=True,
+            kwargs={"bus": bus} if bus is not None else None,
             shared=shared,
         )
         self.cfg = cfg
+        self.bus = bus
         self.model_path = model_path
         self._in_process = pg is None  # cluster=in_process: no Ray, no nodes
         self.router = Router()
@@ -166,14 +179,14 @@ class RolloutPool(RoleGroup):
             self.members[member.id] = member
             self.router.add(member.id)
 
-    def _handle(self, member: Member) -> Any:
+    def handle(self, member: Member) -> Any:
         return self.actors[member.index] if member.kind == "launch" else member.handle
 
     def _node_ips(self, members: list[Member]) -> list[str | None]:
         """The node address each member's engine runs on (None: unknown, or an external server's URL says)."""
         if self._in_process:
             return [None] * len(members)
-        refs = [None if m.kind == "external" else self._handle(m).node_address.remote() for m in members]
+        refs = [None if m.kind == "external" else self.handle(m).node_address.remote() for m in members]
         ips: list[str | None] = []
         for ref in refs:
             try:
@@ -221,7 +234,7 @@ class RolloutPool(RoleGroup):
         member = self.members.get(key)
         if member is None:
             return False
-        return bool(handles.get(self._handle(member).health.remote(), timeout=timeout))
+        return bool(handles.get(self.handle(member).health.remote(), timeout=timeout))
 
     def check_health(self) -> dict[str, bool]:
         """Probe every member: failing ones stop being routed to, recovered ones are routed to again."""
@@ -258,7 +271,7 @@ class RolloutPool(RoleGroup):
                     member = self.members[key]
                     member.inflight += len(idxs)
                     used.add(key)
-                    ref = self._handle(member).generate.remote([prompts[i] for i in idxs], greedy, sampling)
+                    ref = self.handle(member).generate.remote([prompts[i] for i in idxs], greedy, sampling)
                     refs[ref] = (member, idxs)
             todo = []
             while refs:
@@ -320,7 +333,7 @@ class RolloutPool(RoleGroup):
                     member.inflight += len(idxs)
                     refs[key] = (
                         member,
-                        self._handle(member).complete.remote([requests[i] for i in idxs], sampling),
+                        self.handle(member).complete.remote([requests[i] for i in idxs], sampling),
                     )
             todo = []
             for key, (member, ref) in refs.items():
@@ -378,23 +391,68 @@ class RolloutPool(RoleGroup):
                 refs.append((m, self.transfer.deliver(m.handle)))
         return refs
 
+    def start_push(
+        self, version: int, names: tuple[str, ...] = ("policy",)
+    ) -> tuple[list[Any], list[tuple[Member, Any]]]:
+        """Start publishing ``version`` to the transfer's sets ``names`` and to every elastic member; returns
+        (the sets' refs, (member, ref) per elastic member). The caller holds ``weights_lock`` until all
+        finished, so a joining engine reads a finished version (mode=async overlaps this with training)."""
+        self._version = version
+        refs = self.transfer.publish_refs(version, names)
+        with self.lock:
+            members = [m for m in self.members.values() if m.kind != "launch"]
+        return refs, self._sync_refs(members)
+
+    def push_failed(self, member: Member) -> None:
+        """An elastic member did not load a pushed version: it is not routed to until healthy."""
+        log.warning("weight push to %s failed; it stops serving until healthy", member.id)
+        self.router.mark_unhealthy(member.id)
+
     def push_weights(self, version: int) -> None:
         """Publish ``version`` to every member; engines that join later get it too."""
         with self.weights_lock:
             t = time.perf_counter()
-            self._version = version
-            handles.get(
-                self.transfer.publish_refs(version)
-            )  # launch engines: a failure goes to the HealthManager
-            with self.lock:
-                members = [m for m in self.members.values() if m.kind != "launch"]
-            for member, ref in self._sync_refs(members):
+            refs, elastic = self.start_push(version)
+            handles.get(refs)  # launch engines: a failure goes to the HealthManager
+            for member, ref in elastic:
                 try:
                     handles.get(ref)
                 except Exception:
-                    log.warning("weight push to %s failed; it stops serving until healthy", member.id)
-                    self.router.mark_unhealthy(member.id)
+                    self.push_failed(member)
             self.transfer.finished(version, time.perf_counter() - t)
+
+    def serving(self) -> list[Member]:
+        """Members a mode that drives the engines itself (async) hands rollout work to, in join order: the
+        launch engines always (the HealthManager keeps them), elastic ones while routable."""
+        with self.lock:
+            members = sorted(self.members.values(), key=lambda m: m.seq)
+            return [m for m in members if m.kind == "launch" or self.router.state(m.id).routable]
+
+    def busy(self, member: Member, prompts: int) -> None:
+        """``prompts`` more (or, negative, fewer) of ``member``'s prompts in flight: scale-in drains them."""
+        with self.lock:
+            member.inflight += prompts
+
+    def release_memory(self) -> None:
+        """Every engine frees its generation memory (KV cache) while the trainer steps (colocate)."""
+        self._every_member("release_memory")
+
+    def resume_memory(self) -> None:
+        """Every engine takes back what :meth:`release_memory` freed."""
+        self._every_member("resume_memory")
+
+    def _every_member(self, method: str) -> None:
+        with self.lock:
+            members = list(self.members.values())
+        refs = [(m, getattr(self.handle(m), method).remote()) for m in members]
+        for member, ref in refs:
+            try:
+                handles.get(ref)
+            except Exception:
+                if member.kind == "launch":  # the HealthManager's to handle
+                    raise
+                log.warning("%s on %s failed; it stops serving until healthy", method, member.id)
+                self.router.mark_unhealthy(member.id)
 
     # ------------------------------------------------------------------ scale-out
     def _busy(self) -> ScaleRequest | None:
@@ -424,6 +482,8 @@ class RolloutPool(RoleGroup):
         """Start a scale-out to ``num_replicas`` engines in all, or join the external ``engine_urls``."""
         if (num_replicas is None) == (not engine_urls):
             raise ScaleError(400, "give exactly one of num_replicas (a target count) or engine_urls")
+        if engine_urls and self.bus is not None:
+            raise ScaleError(400, EXTERNAL_NEEDS_COLOCATE)
         limit = self.cfg.rollout.max_engines
         with self.lock:
             current = self.num_active()
@@ -465,7 +525,8 @@ class RolloutPool(RoleGroup):
             num_gpus=0 if url else r.num_gpus,
             max_concurrency=2,
         )
-        handle = cls.remote(self.cfg, self.model_path, replica=1000 + seq, engine_url=url)
+        bus = {"bus": self.bus} if self.bus is not None else {}
+        handle = cls.remote(self.cfg, self.model_path, replica=1000 + seq, engine_url=url, **bus)
         return Member(f"{kind}-{seq}", kind, seq, url=url, handle=handle)
 
     def _run_scale_out(self, req: ScaleRequest, timeout: float) -> None:
@@ -616,12 +677,16 @@ class RolloutPool(RoleGroup):
 
     def _run_scale_in(self, req: ScaleRequest, victims: list[Member], force: bool, timeout: float) -> None:
         try:
-            self._set(req, ScaleState.DRAINING, "forced: aborting in-flight work" if force else "")
-            if force:
+            # mode=async: an engine's round writes rows to the bus as it goes, so it is never aborted (its
+            # rows would be cut short); it takes no new round and the scale-in waits for the one it runs
+            abortable = self.bus is None
+            forced = force and abortable
+            self._set(req, ScaleState.DRAINING, "forced: aborting in-flight work" if forced else "")
+            if forced:
                 for m in victims:
                     m.forced_out = True
                     m.handle.abort.remote()
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + timeout if abortable else float("inf")
             while any(m.inflight for m in victims) and time.monotonic() < deadline:
                 time.sleep(0.05)
             if any(m.inflight for m in victims):  # drain timed out: abort; generate() re-routes the prompts

@@ -175,6 +175,18 @@ def validate(cfg) -> None:
         raise RelaxUserError(
             f"rollout.max_running={r.max_running} is below rollout.n_samples_per_prompt={r.n_samples_per_prompt}"
         )
+    if r.kv_cache_tokens is not None and r.kv_cache_tokens < r.n_samples_per_prompt * (r.max_new_tokens + 1):
+        # the engine refuses a longer prompt at run time; this catches a budget no prompt can fit
+        raise RelaxUserError(
+            f"rollout.kv_cache_tokens={r.kv_cache_tokens} cannot hold one prompt's {r.n_samples_per_prompt} "
+            f"samples (rollout.n_samples_per_prompt) of rollout.max_new_tokens={r.max_new_tokens} tokens plus "
+            f"their prompt: set it to at least n_samples_per_prompt x (longest prompt + max_new_tokens), or null"
+        )
+    if r.release_memory_during_train and cfg.mode.name != "colocate":
+        raise RelaxUserError(
+            f"rollout.release_memory_during_train=true frees engine memory while the trainer steps in "
+            f"mode=colocate; mode={cfg.mode.name} generates while it trains: set it false"
+        )
     if cfg.control_plane.enabled:
         from relax_core.http_auth import check_security
 

@@ -7,6 +7,33 @@ from typing import Any
 
 
 @dataclass
+class JudgeConfig:
+    """``reward.judge``: generative-reward judge engines that the run starts and owns (``reward=genrm``).
+
+    Set ``path`` (an HF folder) or ``model`` (a random-init ``conf/model/tiny_*`` spec built into
+    ``<run dir>/judge_init``, for tests); with neither, genrm calls the judge at ``reward.kwargs.url``.
+    """
+
+    # local HF model folder of the judge
+    path: str | None = None
+    # a tiny model spec of conf/model (e.g. tiny_qwen3), built in-process: no download
+    model: str | None = None
+    # judge engine processes (Relax's torch engine server each) behind one router URL
+    num_engines: int = 1
+    # torch CPU threads per judge engine
+    num_threads: int = 1
+    dtype: str = "float32"
+    # samples one judge engine decodes together (concurrent judge requests share decode steps)
+    max_running: int = 64
+    # a judge engine not answering /health by then stops the launch with one line
+    startup_timeout_s: float = 300.0
+    # how often the judge engines are probed; a dead one is restarted on its port
+    health_interval_s: float = 1.0
+    # how long a judge request waits at the router for an engine that is up before it is refused (503)
+    wait_s: float = 5.0
+
+
+@dataclass
 class RewardConfig:
     """Which reward scores a response, and how the executor runs it."""
 
@@ -34,3 +61,5 @@ class RewardConfig:
     plugins: list[str] = field(default_factory=list)
     # how worker processes start: "spawn" (default: clean, sees the current sys.path), "forkserver", "fork"
     start_method: str = "spawn"
+    # judge engines this run starts for reward=genrm (conf/reward/genrm.yaml); null for other rewards
+    judge: JudgeConfig | None = None

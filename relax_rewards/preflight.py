@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from relax_rewards.config import RewardConfig
+from relax_rewards.config import JudgeConfig, RewardConfig
 from relax_rewards.registry import _REGISTRY
 
 NUM_PROBES = 4
@@ -130,9 +130,15 @@ def check_reward_config(
     name = cfg._target_ or cfg.name
     entry = _REGISTRY.get(name)
     kwargs: dict[str, Any] = dict(cfg.kwargs)
-    if entry is not None and entry.needs_one_of and all(kwargs.get(k) is None for k in entry.needs_one_of):
+    judge = cfg.judge if isinstance(cfg.judge, dict) else vars(cfg.judge or JudgeConfig())
+    managed = bool(judge.get("path") or judge.get("model"))  # the run starts it and sets kwargs.url
+    missing = (
+        entry is not None and entry.needs_one_of and all(kwargs.get(k) is None for k in entry.needs_one_of)
+    )
+    if missing and not managed:
         wanted = " or ".join(f"reward.kwargs.{k}" for k in entry.needs_one_of)
-        raise ValueError(f"reward={name} needs {wanted} (e.g. reward.kwargs.url=http://host:port)")
+        hint = "reward.judge.path=<HF folder> or " if name == "genrm" else ""
+        raise ValueError(f"reward={name} needs {wanted} (e.g. {hint}reward.kwargs.url=http://host:port)")
     if kwargs.get("url"):
         check_reachable(str(kwargs["url"]), "reward.kwargs.url", probe_timeout_s)
     check_custom_reward(cfg, label_key, train_path)

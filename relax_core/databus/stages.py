@@ -213,8 +213,10 @@ class BusProducer:
         last round the slots still free get zero-spread groups with a zeroed loss mask, so the step keeps
         its size and the Actor's stream its shape, but those groups add nothing to the loss.
         """
-        r, a = self.cfg.rollout, self.cfg.algorithm
-        n, chunk = r.n_samples_per_prompt, self.cfg.mode.rollout_chunk_prompts or len(prompts)
+        r, a, m = self.cfg.rollout, self.cfg.algorithm, self.cfg.mode
+        # at staleness 0 the step is one engine call, as in colocate: the engine's sampler draws from one
+        # random stream, so chunks would draw other tokens than colocate's run of the same seed
+        n, chunk = r.n_samples_per_prompt, (m.rollout_chunk_prompts if m.max_staleness else 0) or len(prompts)
         out: dict[str, Any] = {"rewards": [], "extras": [], "lens": [], "versions": [], "put_s": 0.0}
         out |= {"filled": [], "errors": [], "kept_groups": 0, "generated_groups": 0, "generated_rewards": []}
         free, spare = list(slots), []

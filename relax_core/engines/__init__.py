@@ -49,6 +49,7 @@ def build_engine(
             dtype=dtype,
             native_kernels=rollout_cfg.native_kernels if rollout_cfg is not None else False,
             record_routing=record_routing,
+            kv_cache_tokens=rollout_cfg.kv_cache_tokens if rollout_cfg is not None else None,
         )
     if name == "sglang":
         from relax_core.engines.sglang import SGLangEngine

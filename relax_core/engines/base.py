@@ -95,6 +95,14 @@ class RolloutEngine(abc.ABC):
         """Cut in-flight generations short (all, or those of ``request_ids``); they return with
         ``finish_reason="abort"`` and the tokens generated so far."""
 
+    def release_memory(self) -> None:
+        """Free the memory generation holds between calls (KV cache, decode buffers) so that a trainer beside
+        the engine can use it; weights stay usable. Called while idle (colocate: after the rollout)."""
+
+    def resume_memory(self) -> None:
+        """Take back what :meth:`release_memory` freed, before the next weight update or generation (engines
+        that re-create it on demand need nothing here)."""
+
     def health(self) -> bool:
         return True
 

@@ -180,6 +180,13 @@ class HttpEngine(RolloutEngine):
     def flush_cache(self) -> None:
         self._post("/flush_cache")
 
+    def release_memory(self) -> None:
+        """SGLang's ``/release_memory_occupation`` of the KV cache alone (weights stay)."""
+        self._post("/release_memory_occupation", {"tags": ["kv_cache"]})
+
+    def resume_memory(self) -> None:
+        self._post("/resume_memory_occupation", {"tags": ["kv_cache"]})
+
     def health(self) -> bool:
         try:
             return self.http.get("/health", timeout=5.0).status_code == 200

@@ -2,7 +2,8 @@
 
 Endpoints (the subset of SGLang's native server RL loops use): ``POST /generate`` (``input_ids`` or
 ``text``, ``sampling_params``, ``return_logprob``, ``rid``; one object per sample, a list for batches or
-``n > 1``), ``GET /health``, ``GET|POST /flush_cache``, ``POST /update_weights_from_disk``,
+``n > 1``), ``GET /health``, ``GET|POST /flush_cache``, ``POST /release_memory_occupation`` and
+``/resume_memory_occupation`` (the KV cache), ``POST /update_weights_from_disk``,
 ``POST /pause_generation``, ``POST /continue_generation``, ``POST /abort_request``, ``GET /get_model_info``.
 
 Start one: ``python -m relax_core.engines.http_server --model PATH --port N`` (or ``relax-engine-server``).
@@ -329,6 +330,16 @@ def create_app(
         if hasattr(engine, "flush_cache"):
             engine.flush_cache()
         return {"success": True, "message": "cache flushed"}
+
+    @app.post("/release_memory_occupation")
+    def release_memory_occupation() -> dict[str, Any]:
+        engine.release_memory()  # the KV cache; the next admission re-creates it
+        return {"success": True, "message": "memory released"}
+
+    @app.post("/resume_memory_occupation")
+    def resume_memory_occupation() -> dict[str, Any]:
+        engine.resume_memory()
+        return {"success": True, "message": "memory resumed"}
 
     @app.post("/update_weights_from_disk")
     def update_weights_from_disk(body: UpdateWeightsBody) -> dict[str, Any]:

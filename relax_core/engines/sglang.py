@@ -96,7 +96,10 @@ class SGLangEngine(ServerEngine):
         memory_fraction: float | None = None,
         weight_transfer: str = "distributed",
         python: str | None = None,
+        release_memory: bool = False,
     ):
+        """``release_memory`` (``rollout.release_memory_during_train``): start the server with
+        ``--enable-memory-saver``, which ``/release_memory_occupation`` needs."""
         python = sglang_python(python)
         reason = _no_gpu_reason()
         if reason:
@@ -107,7 +110,7 @@ class SGLangEngine(ServerEngine):
             launch_command(
                 model_path,
                 port,
-                extra=extra_args,
+                extra=list(extra_args or []) + (["--enable-memory-saver"] if release_memory else []),
                 seed=seed,
                 dtype=dtype,
                 tensor_parallel_size=tensor_parallel_size,
@@ -133,4 +136,5 @@ class SGLangEngine(ServerEngine):
             else default_memory_fraction(r.num_gpus),
             weight_transfer=r.server_weight_update,
             python=r.sglang_python,
+            release_memory=r.release_memory_during_train,
         )

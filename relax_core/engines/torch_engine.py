@@ -10,6 +10,14 @@ MLP, rotary embedding) but keeps K/V in preallocated tensors ``[layers, slots, k
 - decode attention groups the ``G = heads / kv_heads`` query heads of one KV head as ``G`` query rows, so
   K/V is never repeated.
 
+**Token budget** (``kv_cache_tokens``, ``rollout.kv_cache_tokens``): the cache holds at most that many
+tokens. Every slot is as long as the longest live prompt + ``max_new_tokens``, so a request's ``n`` samples
+are admitted only while (live + waiting-to-admit + ``n``) slots of that length fit; the rest wait in the
+queue. A request whose ``n`` samples could never fit is refused. Admission order is the queue's, so greedy
+generations are the same with or without a budget. :meth:`TorchEngine.release_memory` frees the cache and
+the decode buffers between generations (colocate, while the trainer steps); the next admission re-creates
+them.
+
 Multimodal families (Qwen3-VL, Qwen3-Omni) and other architectures take a static-batch path through the HF
 forward with ``relax_models.families`` (pixel/audio kwargs and M-RoPE positions at prefill,
 ``decode_positions`` afterwards).
@@ -32,6 +40,7 @@ from typing import Any
 import torch
 
 from relax_core.engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
+from relax_core.errors import RelaxUserError
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -259,6 +268,7 @@ class TorchEngine(RolloutEngine):
         dtype: torch.dtype | None = None,
         native_kernels: bool = False,
         record_routing: bool = False,
+        kv_cache_tokens: int | None = None,
     ):
         if dtype is not None:
             model = model.to(dtype)
@@ -268,6 +278,7 @@ class TorchEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.family = family
         self.max_running = max_running
+        self.kv_cache_tokens = kv_cache_tokens  # None: no bound (max_running slots x the longest row)
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.fast = fast_path_supported(model)
@@ -305,7 +316,6 @@ class TorchEngine(RolloutEngine):
         """The fused decode kernels (:mod:`relax_core.engines.native_decode`), for the fp32 or bf16 CPU text
         path."""
         from relax_core.engines.native_decode import KERNEL_HEAD_DIMS, KERNEL_MAX_GROUP, decode_kernels
-        from relax_core.errors import RelaxUserError
 
         dtype = next(self.model.parameters()).dtype
         if not self.fast or dtype not in (torch.float32, torch.bfloat16) or self.device.type != "cpu":
@@ -329,6 +339,8 @@ class TorchEngine(RolloutEngine):
         if not self.fast or any(r.multimodal_inputs for r in requests):
             with self._lock:
                 return self._generate_static(requests, sampling)
+        for request in requests:  # refuse before queueing any of them
+            self._check_fits(request, sampling)
         jobs = [self.submit(r, sampling) for r in requests]
         self.run_until(jobs)
         failed = next((job.error for job in jobs if job.error), None)
@@ -352,9 +364,20 @@ class TorchEngine(RolloutEngine):
             job.remaining = 0
             job.done.set()
             return job
+        self._check_fits(request, sampling)
         with self._lock:
             self._queue.append(job)
         return job
+
+    def _check_fits(self, request: GenerationRequest, sampling: SamplingParams) -> None:
+        """RelaxUserError when the request's samples alone exceed the KV-cache token budget."""
+        n, need = max(sampling.n, 1), len(request.input_ids) + sampling.max_new_tokens
+        if self.kv_cache_tokens is not None and n * need > self.kv_cache_tokens:
+            raise RelaxUserError(
+                f"rollout.kv_cache_tokens={self.kv_cache_tokens} cannot hold request {request.request_id!r}: "
+                f"{n} samples x ({len(request.input_ids)} prompt + {sampling.max_new_tokens} new tokens) = "
+                f"{n * need} tokens; raise rollout.kv_cache_tokens or lower rollout.max_new_tokens"
+            )
 
     def run_until(self, jobs: list[_Job]) -> None:
         while not all(j.done.is_set() for j in jobs):
@@ -415,6 +438,19 @@ class TorchEngine(RolloutEngine):
             if not self._rows:
                 self._cache = None
 
+    def release_memory(self) -> None:
+        """Free the KV cache and the decode buffers sized by it (weights stay); the next admission re-creates
+        them. Only while idle: live samples keep their cache."""
+        with self._lock:
+            if self._rows:
+                return
+            self._cache, self._rotary, self._shared = None, None, None
+            self._positions = torch.arange(0, device=self.device)
+            self._scratch_buffers = {}
+            self._slots = _SlotState(self.device)
+            if self.device.type == "cuda":  # hand the blocks back to the device (the trainer's process)
+                torch.cuda.empty_cache()
+
     def cache_bytes(self) -> int:
         """Memory held by the slot KV cache (0 when none is allocated)."""
         cache = self._cache
@@ -432,14 +468,22 @@ class TorchEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ slot cache
     def _ensure_cache(self, slots: int, length: int) -> None:
-        """Grow the preallocated K/V tensors to at least ``slots`` x ``length`` (copying live rows)."""
+        """Grow the preallocated K/V tensors to at least ``slots`` x ``length`` (copying live rows); within
+        ``kv_cache_tokens`` (admission keeps ``slots x length`` inside it) the length may also shrink."""
+        budget = self.kv_cache_tokens
         if self._cache is not None:
             k, _ = self._cache
             if k.shape[1] >= slots and k.shape[3] >= length:
                 return
-            slots, length = max(slots, k.shape[1]), max(length, k.shape[3])
-        slots = max(slots, 8)
-        length = ((length + 63) // 64) * 64
+            if budget is None:
+                slots, length = max(slots, k.shape[1]), max(length, k.shape[3])
+        rounded = ((length + 63) // 64) * 64  # spare length and slots spare regrowing for the next requests
+        if budget is None:
+            slots, length = max(slots, 8), rounded
+        else:  # only as far as they fit: slots x length <= budget
+            length = max(length, min(rounded, budget // slots))
+            spare = max(8, self._cache[0].shape[1]) if self._cache is not None else 8
+            slots = max(slots, min(spare, budget // length))
         dtype = next(self.model.parameters()).dtype
         shape = (self.n_layers, slots, self.n_kv, length, self.head_dim)
         # zeros, not empty: unwritten positions are masked, and 0 * (stale NaN bits) would still be NaN
@@ -449,7 +493,7 @@ class TorchEngine(RolloutEngine):
         )
         if self._cache is not None and self._rows:
             old_k, old_v = self._cache
-            r, t = len(self._rows), old_k.shape[3]
+            r, t = len(self._rows), min(old_k.shape[3], length)  # live rows lie within the new length
             new_k[:, :r, :, :t] = old_k[:, :r]
             new_v[:, :r, :, :t] = old_v[:, :r]
         self._cache = (new_k, new_v)
@@ -472,12 +516,26 @@ class TorchEngine(RolloutEngine):
         return ([] if sampling.ignore_eos else self.eos_token_ids) + list(sampling.stop_token_ids)
 
     def _admit(self) -> None:
-        """Prefill as many waiting jobs as fit in free slots, in one batched forward."""
-        free = self.max_running - len(self._rows)
+        """Prefill as many waiting jobs as fit in free slots (and in ``kv_cache_tokens``: every slot as long
+        as the longest row), in one batched forward."""
+        if not self._queue:
+            return
+        free, budget, total = self.max_running - len(self._rows), self.kv_cache_tokens, len(self._rows)
+        need_len = 0  # the longest row: prompt + max_new_tokens
+        if self._rows:  # a live slot's prompt and budget
+            live = len(self._rows)
+            need_len = int((self._slots.prompt_lens(live) + self._slots.budget[:live]).max())
         batch: list[_Job] = []
-        while self._queue and (self._queue[0].remaining <= free or not self._rows and not batch):
-            job = self._queue.popleft()
+        while self._queue:
+            job = self._queue[0]
+            job_len = max(need_len, len(job.request.input_ids) + job.sampling.max_new_tokens)
+            fits = job.remaining <= free and (budget is None or (total + job.remaining) * job_len <= budget)
+            if not (fits or not self._rows and not batch):
+                break
+            self._queue.popleft()
             free -= job.remaining
+            total += job.remaining
+            need_len = job_len
             batch.append(job)
         if not batch:
             return
@@ -485,11 +543,6 @@ class TorchEngine(RolloutEngine):
         prompts = [j.request.input_ids for j in batch]
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lens.max())
-        need_len = max(len(j.request.input_ids) + j.sampling.max_new_tokens for j in batch)
-        if self._rows:  # a live slot's prompt and budget
-            live = len(self._rows)
-            need_len = max(need_len, int((self._slots.prompt_lens(live) + self._slots.budget[:live]).max()))
-        total = len(self._rows) + sum(j.remaining for j in batch)
         self._ensure_cache(total, need_len)
         self._slots.ensure(
             total,

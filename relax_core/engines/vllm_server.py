@@ -10,6 +10,8 @@ dependencies) and two dependency-free modules of this package, nothing else of R
   with its log-prob (``meta_info.output_token_logprobs``); ``rid`` names it for ``/abort_request``.
 - ``POST /abort_request`` (``rid`` or ``abort_all``), ``/pause_generation``, ``/continue_generation``.
 - ``GET /health``, ``GET /get_model_info``, ``POST /flush_cache``.
+- ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` (SGLang's names): vLLM's ``sleep(level=1)``
+  (weights to host memory, KV cache discarded) and ``wake_up()``; only with ``--enable-sleep-mode`` (GPU).
 - weights: ``/init_weights_update_group`` + ``/update_weights_from_distributed`` (a torch.distributed
   broadcast, see ``weight_broadcast``) or ``/update_weights_from_disk``; both call methods of
   ``vllm_worker_ext.WeightLoaderExtension`` by name in vLLM's workers. Each bucket is loaded as it arrives
@@ -66,7 +68,7 @@ def _finish_reason(reason: str | None, stop_reason: Any) -> dict[str, Any]:
     return {"type": kind}
 
 
-def create_app(engine: Any, model_path: str):
+def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
     """The FastAPI app serving one ``AsyncLLM``."""
     from fastapi import FastAPI, HTTPException
     from vllm import SamplingParams
@@ -99,6 +101,20 @@ def create_app(engine: Any, model_path: str):
         except Exception as err:
             raise HTTPException(503, f"vLLM engine unhealthy: {err}") from err
         return {"status": "ok"}
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation() -> dict[str, Any]:
+        if not sleep_mode:
+            raise HTTPException(400, "this vLLM server was started without --enable-sleep-mode")
+        await engine.sleep(level=1)  # vLLM has no KV-cache-only sleep; level 1 keeps the weights on the host
+        return {"success": True, "message": "asleep"}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation() -> dict[str, Any]:
+        if not sleep_mode:
+            raise HTTPException(400, "this vLLM server was started without --enable-sleep-mode")
+        await engine.wake_up()
+        return {"success": True, "message": "awake"}
 
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
@@ -289,6 +305,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--logprobs-mode", default="processed_logprobs")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--enable-sleep-mode", action="store_true")
     parser.add_argument("--parent-pid", type=int, default=None)
     args = parser.parse_args()
     if args.parent_pid:
@@ -309,11 +326,15 @@ def main() -> None:
         logprobs_mode=args.logprobs_mode,
         worker_extension_cls=WORKER_EXTENSION,
         enforce_eager=args.enforce_eager,
+        enable_sleep_mode=args.enable_sleep_mode,
         enable_log_requests=False,
     )
     engine = AsyncLLM.from_engine_args(engine_args)
     config = uvicorn.Config(
-        create_app(engine, args.model), host=args.host, port=args.port, log_level="warning"
+        create_app(engine, args.model, args.enable_sleep_mode),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
     )
     try:
         asyncio.run(uvicorn.Server(config).serve())

@@ -49,8 +49,8 @@ from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
 from relax_core.roles.critic import Critic
 from relax_core.roles.reference import Reference
-from relax_core.roles.rollout import Rollout
 from relax_core.roles.teacher import Teacher
+from relax_core.rollout_pool import EXTERNAL_NEEDS_COLOCATE, Member, RolloutPool
 from relax_core.samples import PromptRecord, Sample
 from relax_core.weight_transfer import WeightTransfer
 
@@ -102,6 +102,9 @@ class Schedule:
     evals_due: set[int] = field(default_factory=set)
     stream_at: dict[int, dict] = field(default_factory=dict)  # data position before each step's prompts
     generated: dict[int, int] = field(default_factory=dict)  # samples written per step in flight
+    # a rollout engine's call in flight -> (its pool member, its prompts); a weight push to an elastic
+    # engine counts 0 prompts
+    engines: dict[ray.ObjectRef, tuple[Member, int]] = field(default_factory=dict)
     last_done: float = field(default_factory=time.perf_counter)
     last_train_done: float = field(default_factory=time.perf_counter)
 
@@ -137,16 +140,21 @@ class AsyncMode(Mode):
         self.last_sync_s = self.last_publish_s = 0.0
         self.refresh_reference = False  # a Reference restarted in place awaits the policy it follows
         self.schedule: Schedule | None = None
+        self.pushing = False  # the scheduler holds the rollout pool's weights_lock for a publish in flight
         self.agent: ray.actor.ActorHandle | None = None  # rollout.agent: hosts the endpoint and the program
         # per-sample accounting over the run (kept in checkpoints): rows written by the engines, rows the
         # Actor trained on, rows of dropped steps that were generated again
         self.samples = {"trained": 0, "generated": 0, "regenerated": 0}
 
     # ------------------------------------------------------------------ setup / teardown
-    def _group(self, cls, name: str, replicas: int, cpus: float, gpus: float, args: tuple, **kw) -> RoleGroup:
+    def _reserve(self, name: str, replicas: int, cpus: float, gpus: float) -> Any:
         bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus else {})
         pg = reserve([bundle] * replicas, f"relax-{name}")
         self.pgs.append(pg)
+        return pg
+
+    def _group(self, cls, name: str, replicas: int, cpus: float, gpus: float, args: tuple, **kw) -> RoleGroup:
+        pg = self._reserve(name, replicas, cpus, gpus)
         group = RoleGroup(cls, name, replicas, pg, list(range(replicas)), cpus, gpus, args, **kw)
         setattr(self.roles, name, group)
         return group
@@ -168,21 +176,15 @@ class AsyncMode(Mode):
     def start(self) -> RoleGroups:
         cfg, r, t, m, needs = self.cfg, self.cfg.rollout, self.cfg.trainer, self.cfg.mode, self.ctx.needs
         self._check_resources()
+        self.start_judge()
         t0 = time.perf_counter()
         self.bus = start_databus(m.databus)
         bus_init_s = time.perf_counter() - t0
         pad = self.ctx.tokenizer.pad_token_id
         path, on_bus = self.ctx.model_path, {"kwargs": {"bus": self.bus}}
-        self._group(
-            Rollout,
-            "rollout",
-            r.num_engines,
-            r.num_cpus,
-            r.num_gpus,
-            (cfg, path),
-            pass_replica=True,
-            **on_bus,
-        )
+        # launch engines + elastic ones (control-plane scale-out/in), each writing its rows to the bus
+        pg = self._reserve("rollout", r.num_engines, r.num_cpus, r.num_gpus)
+        self.roles.rollout = RolloutPool(cfg, path, pg, list(range(r.num_engines)), bus=self.bus)
         world = actor_world_size(t)  # FSDP data-parallel ranks, each streaming its share of a step
         ranks = {"pass_replica": True, "env_vars": rank_envs(world)}
         self._group(Actor, "actor", world, t.num_cpus, t.num_gpus, (cfg, path), **ranks, **on_bus)
@@ -254,10 +256,12 @@ class AsyncMode(Mode):
             mode="async",
         )
         self.transfer.connect("policy", followers)
+        roles.rollout.attach(self.transfer)
         if self.ref_every:
             self.transfer.connect("reference", list(roles.reference.actors))
 
     def stop(self) -> None:
+        self._end_push()  # a run that ends mid-publish lets a waiting scale-out finish
         if self.agent is not None:  # its program copies run in sessions of their own: end them first
             try:
                 ray.get(self.agent.shutdown.remote(), timeout=60)
@@ -285,6 +289,7 @@ class AsyncMode(Mode):
             except Exception:  # noqa: BLE001
                 pass
             self.bus = None
+        self.stop_judge()
 
     def replaced(self, role: str, index: int, handle: Any) -> None:
         """Connect a replica restarted in place to the weight transfer; :meth:`_recover` publishes the
@@ -319,10 +324,23 @@ class AsyncMode(Mode):
         return self.ctx.stream.state_dict()
 
     # ------------------------------------------------------------------ weights and generation
-    def _publish(self, version: int) -> list[ray.ObjectRef]:
-        """Start publishing snapshot ``version`` to the policy followers (and the Reference when due)."""
+    def _publish(self, st: Schedule, version: int) -> None:
+        """Start publishing snapshot ``version`` to the policy followers and elastic engines (and the
+        Reference when due), holding the pool's ``weights_lock`` until every one loaded it, so an engine
+        that joins meanwhile waits and then reads this version."""
         due = self.ref_every and version and version % self.ref_every == 0
-        return self.transfer.publish_refs(version, ("policy", "reference") if due else ("policy",))
+        refs, elastic = self.roles.rollout.start_push(
+            version, ("policy", "reference") if due else ("policy",)
+        )
+        refs += [ref for _, ref in elastic]
+        st.sync_inflight = (version, refs, time.perf_counter())
+        st.kinds |= dict.fromkeys(refs, ("sync", version))
+        st.engines |= {ref: (member, 0) for member, ref in elastic}
+
+    def _end_push(self) -> None:
+        if self.pushing:
+            self.pushing = False
+            self.roles.rollout.weights_lock.release()
 
     def _may_publish(self, st: Schedule, version: int) -> bool:
         """``mode.deterministic``: weights reach the engines only between rollouts, never past the version
@@ -347,7 +365,7 @@ class AsyncMode(Mode):
         return any(e <= self.gate.min_weight_version(step) for e in st.evals_due)
 
     def publish(self, version: int) -> None:
-        self.transfer.publish(version)
+        self.roles.rollout.push_weights(version)
 
     def generate(
         self, prompts: list[PromptRecord], greedy: bool = False, sampling: SamplingParams | None = None
@@ -363,17 +381,23 @@ class AsyncMode(Mode):
     def _launch_round(self, st: Schedule, step: int) -> None:
         """One rollout round of ``step``: a batch of prompts over the engines, each filling its share of
         the step's free group slots."""
-        engines, roll = [self.agent] if self.agent else self.roles.rollout.actors, st.roll
-        k = min(len(engines), len(roll["free"]))
+        pool, roll = self.roles.rollout, st.roll
         prompts = self.ctx.stream.next_batch(self.cfg.rollout.batch_size)
         roll["round"] += 1
         last = roll["round"] >= self.max_rounds
-        refs = [
-            engine.produce.remote(step, chunk, slots, last)
-            for engine, chunk, slots in zip(
-                engines, split_evenly(prompts, k), split_evenly(roll["free"], k), strict=False
-            )
-        ]
+        with pool.lock:  # a scale-in that starts now sees this round in flight and drains it
+            members = [] if self.agent else pool.serving()  # elastic engines join at a round's start
+            engines = [self.agent] if self.agent else [pool.handle(m) for m in members]
+            k = min(len(engines), len(roll["free"]))
+            chunks = list(zip(split_evenly(prompts, k), split_evenly(roll["free"], k), strict=True))
+            refs = [
+                engine.produce.remote(step, chunk, slots, last)
+                for engine, (chunk, slots) in zip(engines, chunks)
+            ]
+            for ref, member, (chunk, _) in zip(refs, members, chunks):
+                pool.busy(member, len(chunk))
+                st.engines[ref] = (member, len(chunk))
+                roll["used"].add(member.id)
         roll["pending"] = set(refs)
         st.kinds |= dict.fromkeys(refs, ("rollout", step))
 
@@ -403,11 +427,14 @@ class AsyncMode(Mode):
         cfg, needs, total = self.cfg, self.ctx.needs, self.cfg.trainer.total_steps
         groups = self.roles.all()
         # 1. weights: one version at a time, in order
-        if st.sync_inflight is None and st.sync_queue and self._may_publish(st, st.sync_queue[0]):
-            v = st.sync_queue.popleft()
-            refs = self._publish(v)
-            st.sync_inflight = (v, refs, time.perf_counter())
-            st.kinds |= dict.fromkeys(refs, ("sync", v))
+        if (
+            st.sync_inflight is None
+            and st.sync_queue
+            and self._may_publish(st, st.sync_queue[0])
+            and self.roles.rollout.weights_lock.acquire(blocking=False)  # else an engine is joining
+        ):
+            self.pushing = True
+            self._publish(st, st.sync_queue.popleft())
         # 2. evaluation of a finished step on its own weights, when rollout is idle
         for s in sorted(st.evals_due):
             if st.rolling is None and st.synced >= s:
@@ -424,7 +451,7 @@ class AsyncMode(Mode):
             and not self._holds(st, s)
         ):
             st.stream_at[s] = self.ctx.stream.state_dict()
-            st.roll = {"free": list(range(cfg.rollout.batch_size)), "round": 0, "parts": []}
+            st.roll = {"free": list(range(cfg.rollout.batch_size)), "round": 0, "parts": [], "used": set()}
             st.roll["launched"] = time.perf_counter()
             st.info[s] = {"stages": {}, "eval": {}}
             self._launch_round(st, s)
@@ -454,7 +481,21 @@ class AsyncMode(Mode):
         done, _ = ray.wait(list(st.kinds), num_returns=1, timeout=1.0)
         for ref in done:
             kind, s = st.kinds.pop(ref)
-            self._take(st, kind, s, ref, ray.get(ref))  # ray.get re-raises a role's error here
+            member, prompts = st.engines.pop(ref, (None, 0))
+            if member is not None:
+                self.roles.rollout.busy(member, -prompts)
+            try:
+                value = ray.get(ref)  # re-raises a role's error here
+            except FAILURES:
+                if member is None or member.kind == "launch":
+                    raise
+                # an elastic engine failed: routed to again once healthy; a missed version is not fatal, a
+                # rollout is regenerated as after any role's failure
+                self.roles.rollout.push_failed(member)
+                if kind != "sync":
+                    raise
+                value = 0.0
+            self._take(st, kind, s, ref, value)
 
     @staticmethod
     def _launch(st: Schedule, group: RoleGroup, method: str, kind: tuple[str, int], *args: Any) -> None:
@@ -482,7 +523,7 @@ class AsyncMode(Mode):
             if roll["free"]:  # dynamic sampling: another round for the groups still missing
                 self._launch_round(st, s)
                 return
-            st.info[s] |= {"rollout": roll["parts"], "rounds": roll["round"]}
+            st.info[s] |= {"rollout": roll["parts"], "rounds": roll["round"], "engines": roll["used"]}
             st.info[s]["rollout_s"] = time.perf_counter() - roll["launched"]
             st.rolling = None
         elif kind in st.stage_busy:
@@ -511,6 +552,7 @@ class AsyncMode(Mode):
                 st.synced, st.sync_inflight = v, None
                 self.last_publish_s = time.perf_counter() - started
                 self.transfer.finished(v, self.last_publish_s)
+                self._end_push()
 
     def _finished_steps(self, st: Schedule) -> list[tuple[int, StepMetrics]]:
         """Steps whose rollout, training and every helper are done, in order (their partitions dropped)."""
@@ -586,9 +628,17 @@ class AsyncMode(Mode):
                 self._take(st, kind, s, ref, value)
         st.kinds.clear()
         st.peers.clear()
+        for member, prompts in st.engines.values():
+            self.roles.rollout.busy(member, -prompts)
+        st.engines.clear()
+        self._end_push()  # a publish in flight is dropped: recovery publishes the Actor's version
         s = st.rolling
         if s is not None and s <= st.trained:  # the Actor finished the step the engines were producing
-            st.info[s] |= {"rollout": st.roll["parts"], "rounds": st.roll["round"]}
+            st.info[s] |= {
+                "rollout": st.roll["parts"],
+                "rounds": st.roll["round"],
+                "engines": st.roll["used"],
+            }
             st.info[s]["rollout_s"] = time.perf_counter() - st.roll["launched"]
             # an engine killed after its rows reached the bus returns no count; the Actor trained them
             st.generated[s] = max(st.generated.get(s, 0), self.step_samples)
@@ -609,6 +659,8 @@ class AsyncMode(Mode):
                 "tokens_per_s": tokens / max(info["step_time_s"], 1e-9),
                 "response_length": tokens / max(len(samples), 1),
                 "time/rollout_s": info["rollout_s"],
+                "rollout/engines_used": float(len(info.get("engines", ()))),
+                "rollout/num_engines": float(self.roles.rollout.num_active()),
                 "time/train_s": info["train_s"],
                 "time/bus_put_s": put_s,
                 "rollout/resumed": float(sum(p["resumed"] for p in parts)),
@@ -671,6 +723,8 @@ def validate_async(cfg) -> None:
     from relax_core.databus import DATABUS_CHOICES
 
     m = cfg.mode
+    if cfg.rollout.engine_urls:
+        raise RelaxUserError(f"rollout.engine_urls: {EXTERNAL_NEEDS_COLOCATE}")
     if m.databus not in DATABUS_CHOICES[:2]:
         raise RelaxUserError(f"mode.databus={m.databus!r} is not one of {DATABUS_CHOICES[:2]}")
     if m.partial_rollout not in ("finish", "abort"):

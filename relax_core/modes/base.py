@@ -67,6 +67,7 @@ class Mode(abc.ABC):
         # set by the run loop: whether a checkpoint is due after a step (a mode with steps in flight holds
         # its stateful roles at that step until the checkpoint is written)
         self.checkpoint_due: Callable[[int], bool] = lambda step: False
+        self.judge = None  # reward.judge: the genrm judge engines (relax_core/judge.py)
 
     @abc.abstractmethod
     def start(self) -> RoleGroups:
@@ -91,6 +92,17 @@ class Mode(abc.ABC):
     def steps(self, first: int, evaluate: Callable[[int], StepMetrics]) -> Iterator[tuple[int, StepMetrics]]:
         """Run RL steps ``first``..``trainer.total_steps``; yield ``(step, metrics)`` in order. ``evaluate``
         (of a step) is called by modes that must evaluate at a point of their own schedule (async)."""
+
+    def start_judge(self) -> None:
+        """``reward.judge``: start the judge engines first, so the reward workers get their URL."""
+        from relax_core.judge import start_judge
+
+        self.judge = start_judge(self.cfg)
+
+    def stop_judge(self) -> None:
+        if self.judge is not None:
+            self.judge.stop()
+            self.judge = None
 
     def replaced(self, role: str, index: int, handle: Any) -> None:
         """A replica of ``role`` was restarted in place: bring it to the weights it held (modes add the

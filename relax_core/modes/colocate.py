@@ -46,12 +46,14 @@ class ColocateMode(Mode):
         self.critic_updates = 0  # RL steps seen by the critic (its warm-up counts them)
         self.step_extra: StepMetrics = {}
         self.pg = None
+        self.engines_released = False  # rollout.release_memory_during_train: engines freed their KV cache
         self.agent = None  # rollout.agent: an external program plays the episodes through the endpoint
 
     # ------------------------------------------------------------------ roles
     def start(self) -> RoleGroups:
         cfg, needs = self.cfg, self.ctx.needs
         r, t = cfg.rollout, cfg.trainer
+        self.start_judge()
         # bundle i: rollout engine i (i < num_engines), actor rank i (i < world); bundle 0 also holds the
         # Reference, Critic and Teacher, unless FSDP shards them over ranks like the Actor's: then rank i of
         # each sits next to Actor rank i. They take turns with the Actor, so the model roles next to one
@@ -158,6 +160,7 @@ class ColocateMode(Mode):
 
             remove_placement_group(self.pg)
             self.pg = None
+        self.stop_judge()
 
     def replaced(self, role: str, index: int, handle: Any) -> None:
         super().replaced(role, index, handle)
@@ -169,9 +172,18 @@ class ColocateMode(Mode):
     def publish(self, version: int) -> None:
         self.roles.rollout.push_weights(version)
 
+    def engine_memory(self, release: bool) -> None:
+        """``rollout.release_memory_during_train``: the engines free their KV cache (``release``) or take it
+        back; each only once."""
+        if self.engines_released != release:
+            pool = self.roles.rollout
+            pool.release_memory() if release else pool.resume_memory()
+            self.engines_released = release
+
     def generate(
         self, prompts: list[PromptRecord], greedy: bool = False, sampling: SamplingParams | None = None
     ) -> list[Sample]:
+        self.engine_memory(release=False)  # e.g. an evaluation after a step that failed while released
         if self.agent is not None:  # the agent program plays them through the endpoint (greedy or not)
             return self.agent.generate(prompts, greedy)
         return self.roles.rollout.generate(prompts, greedy, sampling)
@@ -232,12 +244,18 @@ class ColocateMode(Mode):
         if offload:
             timed("offload", self.roles.actor.call_collective, "offload")
         samples = timed("rollout", self.collect)
+        release = self.cfg.rollout.release_memory_during_train
+        # the engines' KV cache makes room for the trainer (before the Actor is back on the device)
+        if release:
+            timed("release_memory", self.engine_memory, True)
         if offload:
             timed("onload", self.roles.actor.call_collective, "onload")
         batch = TrainBatch.from_samples(samples, self.ctx.tokenizer.pad_token_id)
         timed("logprob", self.annotate, batch)
         batch.extras["advantages"] = timed("advantages", self.advantages.compute, batch)
         train_metrics = timed("train", self.update, batch)
+        if release:  # weights land in an awake engine
+            timed("resume_memory", self.engine_memory, False)
         timed("weight_sync", self.health.retrying, lambda: self.publish(step), f"weight sync v{step}")
         step_time = time.perf_counter() - t0
 

@@ -165,6 +165,12 @@ class Rollout(WeightReceiver, BusProducer):
     def abort(self) -> None:
         self.engine.abort()
 
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+
     def rng_state(self) -> dict:
         """Sampling RNG of the engine and torch's global RNG: saved in checkpoints so that a resumed run draws
         the same samples the uninterrupted one would."""

@@ -191,6 +191,11 @@ class WeightTransfer:
         if self._latest is None or version is not None or key not in self._latest[3] or route == "collective":
             # no channel of its kind was published into (or a broadcast group, whose members are fixed):
             # the newcomer gets the weights through the object store
+            if self.mode == "async" and version is None:  # the Actor trains on: its weights are newer
+                raise RuntimeError(
+                    f"a joining engine {nodes[0]} reads no channel of the last publish: in mode=async it "
+                    "must run on the Actor's node, or the run needs weight_transfer=object_store"
+                )
             route, latest = "object_store", self._latest[0] if self._latest else 0
             self._log_routes({"a late consumer": consumer}, [f"{route} (from the source)"], nodes)
             v = latest if version is None else version

@@ -3,16 +3,26 @@
 The judge is either an object passed as ``judge`` (in the reward kwargs or ``metadata["judge"]``):
 anything with a ``generate_text(prompt) -> str`` method or a plain callable ``prompt -> str``; or a
 ``url`` of a server speaking the SGLang-native ``/generate`` API (``{"text", "sampling_params"}`` ->
-``{"text"}``). With a process pool the judge object must be picklable; a URL always is.
+``{"text"}``), e.g. the router over the judge engines a run starts itself (``reward.judge``,
+relax_core/judge.py). With a process pool the judge object must be picklable; a URL always is.
+
+The verdict is ``verdict_pattern``'s first group (or whole match) in the reply after any ``</think>``;
+``correct_verdict`` scores 1, any other verdict 0. A reply without a verdict scores 0 and counts as
+``judge_parse_errors``; a judge that is down, refuses or is slow past ``timeout_s`` scores 0 and counts as
+``judge_errors`` (metrics ``reward/judge_parse_errors``, ``reward/judge_errors``: shares of the samples).
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
 from relax_rewards._text import strip_think
 from relax_rewards.registry import register
+
+log = logging.getLogger("relax_rewards.genrm")
 
 DEFAULT_TEMPLATE = (
     "You are grading an answer to a question against a reference answer.\n\n"
@@ -24,6 +34,8 @@ DEFAULT_TEMPLATE = (
     "is not, and nothing else."
 )
 DEFAULT_SAMPLING = {"temperature": 0.0, "max_new_tokens": 16}
+# the whole reply (after any </think>) is one digit
+DEFAULT_VERDICT_PATTERN = r"^\s*([01])\s*$"
 
 
 def build_prompt(question: str, reference: str, response: str, template: str = DEFAULT_TEMPLATE) -> str:
@@ -57,12 +69,24 @@ def sglang_generate(url: str, prompt: str, sampling_params: dict[str, Any], time
     return body["text"]
 
 
-def judge_says_correct(reply: str) -> bool:
-    """The verdict: the reply (after any ``</think>``) stripped is exactly ``"1"``."""
-    return strip_think(reply).strip() == "1"
+def parse_verdict(reply: str, pattern: str = DEFAULT_VERDICT_PATTERN) -> str | None:
+    """The verdict in ``reply`` (after any ``</think>``): ``pattern``'s first group, or its whole match when
+    it has none; None when the reply has no verdict."""
+    match = re.search(pattern, strip_think(reply))
+    if match is None:
+        return None
+    return (match.group(1) if match.re.groups else match.group(0)).strip()
 
 
-@register("genrm", needs_label=True, needs_one_of=("url", "judge"))
+def check_genrm(kwargs: dict[str, Any]) -> None:
+    """A ``verdict_pattern`` that is not a regular expression stops the launch, not every sample."""
+    try:
+        re.compile(kwargs.get("verdict_pattern", DEFAULT_VERDICT_PATTERN))
+    except (re.error, TypeError) as err:
+        raise ValueError(f"reward.kwargs.verdict_pattern is not a regular expression: {err}") from None
+
+
+@register("genrm", key="score", needs_label=True, needs_one_of=("url", "judge"), check=check_genrm)
 def genrm_reward(
     response: str,
     label: Any,
@@ -72,10 +96,14 @@ def genrm_reward(
     url: str | None = None,
     template: str = DEFAULT_TEMPLATE,
     sampling_params: dict[str, Any] | None = None,
-    timeout_s: float = 60.0,
-) -> float:
-    """1.0 iff the judge replies exactly "1" to a prompt built from the question (``metadata["question"]``
-    or ``metadata["prompt"]``), the reference answer (``label``) and the model's final answer."""
+    timeout_s: float = 8.0,
+    verdict_pattern: str = DEFAULT_VERDICT_PATTERN,
+    correct_verdict: str = "1",
+) -> dict[str, float]:
+    """``score`` 1.0 iff the judge's verdict on a prompt built from the question (``metadata["question"]``
+    or ``metadata["prompt"]``), the reference answer (``label``) and the model's final answer is
+    ``correct_verdict``; ``judge_parse_errors`` / ``judge_errors`` count a reply without a verdict and a
+    judge that could not be reached in ``timeout_s`` (keep it below ``reward.timeout_s``)."""
     md = metadata or {}
     judge = judge if judge is not None else md.get("judge")
     url = url or md.get("judge_url")
@@ -90,7 +118,20 @@ def genrm_reward(
     if judge is not None:
         reply = _judge_callable(judge)(prompt)
     else:
-        reply = sglang_generate(str(url), prompt, {**DEFAULT_SAMPLING, **(sampling_params or {})}, timeout_s)
+        import httpx
+
+        try:
+            reply = sglang_generate(
+                str(url), prompt, {**DEFAULT_SAMPLING, **(sampling_params or {})}, timeout_s
+            )
+        except (httpx.HTTPError, RuntimeError) as err:  # down, refusing or slow: a counted 0, not a failure
+            log.warning("genrm judge at %s did not answer: %s", url, str(err).splitlines()[0][:200])
+            return {"score": 0.0, "judge_parse_errors": 0.0, "judge_errors": 1.0}
     if not isinstance(reply, str):
         raise TypeError(f"genrm judge returned {type(reply).__name__}, expected str")
-    return 1.0 if judge_says_correct(reply) else 0.0
+    verdict = parse_verdict(reply, verdict_pattern)
+    return {
+        "score": float(verdict == str(correct_verdict)),
+        "judge_parse_errors": float(verdict is None),
+        "judge_errors": 0.0,
+    }

@@ -1,5 +1,5 @@
 """The control plane over real HTTP: its security and validation in-process. Elastic scaling against a
-running training job is tested on a multi-node cluster (tests/multinode/test_multinode_engines.py)."""
+running training job is tested on a multi-node cluster (tests/multinode/test_multinode_ray.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_token_openapi_and_validation_without_a_job() -> None:
             extra = http.post("/rollout/scale_out", json={"replicas": 2}, headers=auth)
             assert extra.status_code == 422
             no_pool = http.post("/rollout/scale_out", json={"num_replicas": 2}, headers=auth)
-            assert no_pool.status_code == 400 and "mode=colocate" in no_pool.json()["detail"]
+            assert no_pool.status_code == 400 and "no rollout pool" in no_pool.json()["detail"]
     finally:
         server.stop()
     check_security("127.0.0.1", None)

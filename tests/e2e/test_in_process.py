@@ -84,11 +84,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     logs = {"in_process": launch(out["in_process"], "cluster=in_process", ray_tmp=ray_tmp, bare=True)}
     logs["ray"] = launch(out["ray"], "cluster=local")
     checkpoint = out["in_process"] / "checkpoints" / "step_000004"
-    logs["resumed"] = launch(
+    logs["resumed"] = launch(  # its engine also frees its KV cache while the trainer steps
         out["resumed"],
         "cluster=in_process",
         f"trainer.resume={checkpoint}",
         "trainer.export_final_model=true",
+        "rollout.release_memory_during_train=true",
     )
     return {"dirs": out, "logs": logs, "ray_tmp": ray_tmp}
 
@@ -116,8 +117,12 @@ def test_in_process_run_starts_no_ray_and_hands_weights_over_in_memory(runs) -> 
 
 @pytest.mark.slow
 def test_in_process_run_resumes_from_its_checkpoint_step_for_step(runs) -> None:
+    """Also with rollout.release_memory_during_train, which changes no sample."""
     straight, resumed = rewards(runs["dirs"]["in_process"]), rewards(runs["dirs"]["resumed"])
     assert {s: resumed[s] for s in range(5, 9)} == {s: straight[s] for s in range(5, 9)}
+    rows = [json.loads(line) for line in (runs["dirs"]["resumed"] / "metrics.jsonl").read_text().splitlines()]
+    released = [r["step"] for r in rows if "time/release_memory_s" in r and "time/resume_memory_s" in r]
+    assert released == list(range(5, 9))
     summary = json.loads((runs["dirs"]["resumed"] / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["resumed_from"].endswith("step_000004")
 

@@ -155,6 +155,11 @@ def test_every_request_is_answered_with_a_reason(server, tokenizer, tiny_model_d
         assert http.post("/pause_generation", json={"mode": "sideways"}).status_code == 422
         assert generate(http, {"input_ids": ids}).status_code == 200
         assert engine.cache_bytes() > 0
+        # SGLang's release/resume endpoints (rollout.release_memory_during_train on an external engine)
+        assert http.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).json()["success"]
+        assert engine.cache_bytes() == 0
+        assert http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).json()["success"]
+        assert generate(http, {"input_ids": ids}).status_code == 200 and engine.cache_bytes() > 0
 
     # a job that fails inside the engine (no limits: the bad id reaches the model) answers with its error
     bare = make_engine(tiny_model_dir, tokenizer, seed=3)

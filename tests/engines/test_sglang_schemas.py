@@ -36,6 +36,8 @@ REQUEST_CLASSES = {
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
     "/abort_request": "AbortReq",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
 }
 
 
@@ -130,6 +132,8 @@ def test_client_requests_use_sglang_field_names(schemas, tmp_path: Path) -> None
     engine.resume()
     engine.abort(["r0"])
     engine.abort()
+    engine.release_memory()  # rollout.release_memory_during_train
+    engine.resume_memory()
     sampling_fields = _classes(ROOT / "srt" / "sampling" / "sampling_params.py")
     sent_paths = {path for path, _ in engine.sent}
     assert set(REQUEST_CLASSES) - {"/continue_generation"} <= sent_paths
@@ -172,6 +176,7 @@ def test_launch_flags_are_sglang_server_arguments() -> None:
     flags = [arg for arg in command[3:] if arg.startswith("--")]
     assert {"--random-seed", "--dtype", "--tp-size", "--mem-fraction-static"} <= set(flags)
     assert set(flags) <= names, set(flags) - names
+    assert "--enable-memory-saver" in names  # what SGLangEngine adds for rollout.release_memory_during_train
     assert command[command.index("--random-seed") + 1] == "3"
 
 

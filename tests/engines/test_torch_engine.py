@@ -17,6 +17,7 @@ from PIL import Image
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.torch_engine import TorchEngine, filter_logits, sample_tokens
+from relax_core.errors import RelaxUserError
 from relax_core.samples import Sample, TrainBatch
 
 
@@ -55,6 +56,67 @@ def test_greedy_equals_full_forward_with_continuous_batching(tiny_model_dir: Pat
         for result in job.results:
             assert result.output_ids == expected
             assert result.finish_reason == "length"
+
+
+def _run_tracking_cache(engine: TorchEngine, jobs: list) -> int:
+    """Step ``engine`` until ``jobs`` are done; the most tokens its K/V tensors held at any step."""
+    peak = 0
+    while engine.step():
+        k, _ = engine._cache  # [layers, slots, kv_heads, T, head_dim]
+        peak = max(peak, k.shape[1] * k.shape[3])
+    assert all(job.done.is_set() for job in jobs)
+    return peak
+
+
+def test_kv_cache_token_budget_queues_requests_and_keeps_greedy_outputs(
+    tiny_model_dir: Path, tokenizer
+) -> None:
+    """rollout.kv_cache_tokens: the cache never holds more tokens than the budget, requests beyond it wait in
+    the queue, and greedy generations equal those of an engine without a budget."""
+    requests = reqs(tokenizer)
+    sampling = [
+        SamplingParams(3 + 4 * i, temperature=0.0, n=2, ignore_eos=True) for i in range(len(requests))
+    ]
+    budget = max(2 * (len(r.input_ids) + s.max_new_tokens) for r, s in zip(requests, sampling))
+    outputs, peaks = [], []
+    for kv_cache_tokens in (None, budget):
+        engine = make_engine(tiny_model_dir, tokenizer, kv_cache_tokens=kv_cache_tokens)
+        jobs = [engine.submit(r, s) for r, s in zip(requests, sampling)]
+        tokens = _run_tracking_cache(engine, jobs)
+        outputs.append([[r.output_ids for r in job.results] for job in jobs])
+        peaks.append((tokens, engine.peak_running))
+    (free_tokens, free_running), (bounded_tokens, bounded_running) = peaks
+    assert free_tokens > budget and free_running == 2 * len(requests)  # the budget binds
+    assert bounded_tokens <= budget and bounded_running < free_running
+    assert outputs[0] == outputs[1]
+    assert [len(ids) for ids in outputs[1][3]] == [15, 15]
+
+
+def test_request_beyond_the_kv_cache_budget_is_refused_in_one_line(tiny_model_dir: Path, tokenizer) -> None:
+    """A request whose n samples can never fit the budget is refused, naming the setting; nothing of the call
+    stays queued and the engine serves the next call."""
+    short, long = reqs(tokenizer, ["x", "hello there, sort 8080:"])
+    engine = make_engine(tiny_model_dir, tokenizer, kv_cache_tokens=40)
+    sampling = SamplingParams(8, temperature=0.0, n=2)
+    with pytest.raises(RelaxUserError) as err:
+        engine.generate([short, long], sampling)
+    message = str(err.value)
+    assert "\n" not in message and "rollout.kv_cache_tokens=40" in message and "'r1'" in message, message
+    assert not engine.has_work()
+    assert len(engine.generate([short], sampling)) == 2
+
+
+def test_release_memory_frees_the_cache_and_keeps_generations(tiny_model_dir: Path, tokenizer) -> None:
+    """rollout.release_memory_during_train: between two generations the KV cache and decode buffers are
+    gone; the second generation re-creates them and samples what an engine that kept them samples."""
+    requests, sampling = reqs(tokenizer), SamplingParams(6, temperature=1.0, n=3)
+    kept, released = (make_engine(tiny_model_dir, tokenizer, seed=4) for _ in range(2))
+    first = [engine.generate(requests, sampling) for engine in (kept, released)]
+    assert first[0] == first[1] and released.cache_bytes() > 0
+    released.release_memory()
+    assert released.cache_bytes() == 0 and released._rotary is None and released._slots.tokens.numel() == 0
+    second = [engine.generate(requests, sampling) for engine in (kept, released)]
+    assert second[0] == second[1] and released.cache_bytes() > 0
 
 
 def test_stop_token_and_stop_string(tiny_model_dir: Path, tokenizer, model) -> None:

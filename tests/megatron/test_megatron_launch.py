@@ -1,5 +1,6 @@
 """The megatron backend through the launcher: checks before Ray starts, the shared LR schedule, and GRPO
-runs end to end (megatron TP=1 against the torch backend; TP=2 as two Actor replicas in one gloo group).
+runs end to end (megatron TP=1 against the torch backend; TP=2 as two Actor ranks in one gloo group, in
+colocate and in ``mode=async`` at staleness 0, which must take colocate's steps).
 
 The end-to-end runs go through ``relax_launch.run.run_experiment`` in this process (a real local Ray
 cluster, real Actor/Rollout actors, real metrics files); the error cases go through
@@ -9,6 +10,7 @@ cluster, real Actor/Rollout actors, real metrics files); the error cases go thro
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -208,3 +210,36 @@ def test_megatron_grpo_learns_and_tracks_the_torch_backend(grpo_runs) -> None:
     # learning: the last third of the run beats the first third
     first, last = range(1, RUN_STEPS // 3 + 1), range(RUN_STEPS - RUN_STEPS // 3 + 1, RUN_STEPS + 1)
     assert mean_reward(mega_rows, last) > mean_reward(mega_rows, first) + 0.03
+
+
+# two tensor-parallel Actor ranks, 3 steps of 4 prompts x 4 samples after a 2-step warm-start
+TP2_RUN = ["trainer=megatron", "trainer.megatron.tensor=2", "trainer.sft_warmup_steps=2", "seed=1"]
+TP2_RUN += ["trainer.total_steps=3", "trainer.eval_every=0", "rollout.batch_size=4"]
+TP2_RUN += ["rollout.n_samples_per_prompt=4", "trainer.micro_batch_size=4", "data.num_train=64"]
+TP2_RUN += ["data.num_eval=8", "rollout.num_threads=1", "trainer.num_threads=1", "cluster.num_cpus=4"]
+TP2_RUN += ["logger.plot=false"]
+
+
+@pytest.mark.slow
+def test_async_tensor_parallel_at_staleness_zero_takes_the_colocate_steps(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """mode=async with trainer=megatron: both TP ranks stream the same rows of a step from the bus and rank 0
+    publishes the whole model. At max_staleness=0 every step is sampled by the version it trains from, so
+    the run takes colocate's steps: same samples (rewards), same loss and gradient up to float rounding."""
+    colocate_sum, colocate = _run(tmp_path, "colocate", [*TP2_RUN, "mode=colocate"])
+    with caplog.at_level(logging.INFO, logger="relax"):
+        # rollout_chunk_prompts=2: chunks are ignored at staleness 0, else 2 engine calls draw other tokens
+        async_run = [*TP2_RUN, "mode=async", "mode.max_staleness=0", "mode.rollout_chunk_prompts=2"]
+        async_sum, streamed = _run(tmp_path, "async", async_run)
+    assert colocate_sum["status"] == async_sum["status"] == "finished"
+    assert "actorx2" in caplog.text
+    a = [r for r in colocate if r["step"] > 0]
+    b = [r for r in streamed if r["step"] > 0]
+    assert [r["step"] for r in b] == [r["step"] for r in a] == [1, 2, 3]
+    assert sum(r["reward/mean"] for r in a) > 0  # some samples are rewarded, so equal rewards are telling
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["staleness/max"] == 0 and rb["off_policy/train_rollout_abs_diff"] < 1e-4, rb
+        assert rb["reward/mean"] == ra["reward/mean"] and rb["reward/std"] == ra["reward/std"], rb["step"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4, abs=1e-6)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)

@@ -119,7 +119,7 @@ def _assert_nothing_left(cluster: SlurmNodes, job_id: str, timeout_s: float = 15
 def test_cluster_slurm_spans_two_nodes_is_preempted_requeues_and_resumes(
     slurm_nodes: SlurmNodes, tmp_path: Path
 ) -> None:
-    cluster, run_dir, steps = slurm_nodes, tmp_path / "run", 20
+    cluster, run_dir, steps = slurm_nodes, tmp_path / "run", 12
     launch = [
         sys.executable, "-m", "relax_launch", f"hydra.run.dir={run_dir}",
         *[o for o in TINY_RUN if not o.startswith("cluster.")],

@@ -1,5 +1,9 @@
 """Kill -9 a run mid-way, re-run the same command with ``trainer.resume=auto``: it continues from the last
-checkpoint and, with deterministic CPU settings, its per-step rewards equal those of an uninterrupted run."""
+checkpoint and, with deterministic CPU settings, its per-step rewards equal those of an uninterrupted run.
+
+The killed run is ``mode=async`` at ``mode.max_staleness=0``, the uninterrupted one colocate: one comparison
+shows both that a resumed run repeats the steps it would have taken and that staleness 0 is colocate
+(colocate's own resume is tested in-process, ``tests/e2e/test_in_process.py``)."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ pytestmark = pytest.mark.slow
 TOTAL = 8  # steps of ~0.05 s: after step 3 is seen, enough of them left that the kill lands mid-run
 
 
-def _command(run_dir: Path, mode: list[str], tiny_run: list[str] = TINY_RUN) -> list[str]:
+def _command(run_dir: Path, mode: list[str], tiny_run: list[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -36,17 +40,17 @@ def _rewards(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["reward/mean"] for r in read_metrics(run_dir) if "reward/mean" in r}
 
 
-# async at staleness 0 follows colocate's schedule, so its resumed curve must equal the uninterrupted one
-# (the checkpoint holds the data position and engine RNG of the first step not handed out)
-@pytest.mark.parametrize("mode", [[], ["mode=async", "mode.max_staleness=0"]], ids=["colocate", "async"])
-def test_kill_and_rerun_continues_from_the_checkpoint_like_an_uninterrupted_run(
-    tmp_path: Path, mode: list[str]
-) -> None:
+# async at staleness 0 follows colocate's schedule (whole rollout batches: no chunks), so its resumed curve
+# must equal colocate's (the checkpoint holds the data position and engine RNG of the first step not handed out)
+ASYNC_AT_ZERO = ["mode=async", "mode.max_staleness=0", "mode.rollout_chunk_prompts=0"]
+
+
+def test_async_killed_and_rerun_takes_the_uninterrupted_colocate_runs_steps(tmp_path: Path) -> None:
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # the resumed run goes first; its kill is timed on its own progress
     proc = subprocess.Popen(
-        _command(resumed, mode),
+        _command(resumed, ASYNC_AT_ZERO, TINY_RUN),
         cwd=tmp_path,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -65,21 +69,35 @@ def test_kill_and_rerun_continues_from_the_checkpoint_like_an_uninterrupted_run(
     assert steps_before < TOTAL
 
     again = subprocess.run(
-        _command(resumed, mode), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        _command(resumed, ASYNC_AT_ZERO, TINY_RUN),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert (
         "resumed from" in again.stderr + again.stdout or "resumed from" in (resumed / "cli.log").read_text()
     )
 
-    # colocate's uninterrupted run goes without Ray; async's must be async (it follows its own schedule)
-    straight_command = _command(straight, mode, TINY_RUN_IN_PROCESS if not mode else TINY_RUN)
+    # the uninterrupted colocate run goes without Ray: it takes a Ray run's steps exactly
     first = subprocess.run(
-        straight_command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        _command(straight, [], TINY_RUN_IN_PROCESS),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert first.returncode == 0, first.stderr[-3000:]
 
     # every step once: those after the checkpoint that the killed attempt had logged were dropped and re-run
     assert [r["step"] for r in read_metrics(resumed)] == list(range(0, TOTAL + 1))
-    assert _rewards(resumed) == _rewards(straight)
     assert len(_rewards(straight)) == TOTAL
+    steps, colocate = read_metrics(resumed)[1:], read_metrics(straight)[1:]
+    for ra, rb in zip(colocate, steps, strict=True):
+        assert rb["staleness/max"] == 0
+        assert rb["reward/mean"] == ra["reward/mean"] and rb["reward/std"] == ra["reward/std"], ra["step"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4, abs=1e-6)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)

@@ -75,15 +75,29 @@ class ReferenceJudge:
 def test_genrm_with_a_callable_judge() -> None:
     judge = ReferenceJudge()
     md = {"question": "How many legs do 3 spiders have?"}
-    assert genrm("<think>8 legs each, 3*8</think> They have 24 legs.", "24", md, judge=judge) == 1.0
-    assert genrm("They have 21 legs.", "24", md, judge=judge) == 0.0
+    assert genrm("<think>8 legs each, 3*8</think> They have 24 legs.", "24", md, judge=judge)["score"] == 1.0
+    assert genrm("They have 21 legs.", "24", md, judge=judge)["score"] == 0.0
     prompt = judge.prompts[0]
     assert "How many legs do 3 spiders have?" in prompt and "They have 24 legs." in prompt
     assert "8 legs each" not in prompt  # the thinking block is not shown to the judge
-    # a plain function works as a judge too, and only an exact "1" counts
-    assert genrm("x", "y", judge=lambda p: "1") == 1.0
-    assert genrm("x", "y", judge=lambda p: "1.") == 0.0
-    assert genrm("x", "y", judge=lambda p: "Yes, 1") == 0.0
+    # a plain function works as a judge too; by default only a reply that is one digit has a verdict
+    verdict = {"score": 1.0, "judge_parse_errors": 0.0, "judge_errors": 0.0}
+    assert genrm("x", "y", judge=lambda p: "1") == verdict
+    assert genrm("x", "y", judge=lambda p: "0") == verdict | {"score": 0.0}
+    garbage = verdict | {"score": 0.0, "judge_parse_errors": 1.0}
+    assert genrm("x", "y", judge=lambda p: "1.") == garbage
+    assert genrm("x", "y", judge=lambda p: "Yes, 1") == garbage
+    # verdict parsing is config
+    assert (
+        genrm(
+            "x",
+            "y",
+            judge=lambda p: "Verdict: CORRECT.",
+            verdict_pattern=r"Verdict: (\w+)",
+            correct_verdict="CORRECT",
+        )
+        == verdict
+    )
     with pytest.raises(ValueError, match="needs a judge"):
         genrm("x", "y")
 
@@ -95,8 +109,8 @@ def test_genrm_via_sglang_generate_endpoint(http_server) -> None:
 
     http_server.handler = sglang
     md = {"question": "Capital of France?"}
-    assert genrm("Paris", "Paris", md, url=http_server.url) == 1.0
-    assert genrm("Lyon", "Paris", md, url=http_server.url) == 0.0
+    assert genrm("Paris", "Paris", md, url=http_server.url)["score"] == 1.0
+    assert genrm("Lyon", "Paris", md, url=http_server.url)["score"] == 0.0
     req = http_server.requests[0]
     assert req["path"] == "/generate"
     assert req["body"]["sampling_params"]["temperature"] == 0.0

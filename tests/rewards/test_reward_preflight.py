@@ -76,7 +76,8 @@ def test_launch_stops_at_start_with_one_line(tmp_path: Path) -> None:
     )
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.strip().splitlines()[-1] == (
-        "error: reward=genrm needs reward.kwargs.url or reward.kwargs.judge (e.g. reward.kwargs.url=http://host:port)"
+        "error: reward=genrm needs reward.kwargs.url or reward.kwargs.judge "
+        "(e.g. reward.judge.path=<HF folder> or reward.kwargs.url=http://host:port)"
     )
 
 
