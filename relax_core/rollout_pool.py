@@ -403,9 +403,9 @@ class RolloutPool(RoleGroup):
             members = [m for m in self.members.values() if m.kind != "launch"]
         return refs, self._sync_refs(members)
 
-    def push_failed(self, member: Member) -> None:
-        """An elastic member did not load a pushed version: it is not routed to until healthy."""
-        log.warning("weight push to %s failed; it stops serving until healthy", member.id)
+    def member_failed(self, member: Member, what: str = "weight push") -> None:
+        """An elastic member failed ``what`` (e.g. loading a pushed version): it is not routed to until healthy."""
+        log.warning("%s on %s failed; it stops serving until healthy", what, member.id)
         self.router.mark_unhealthy(member.id)
 
     def push_weights(self, version: int) -> None:
@@ -418,7 +418,7 @@ class RolloutPool(RoleGroup):
                 try:
                     handles.get(ref)
                 except Exception:
-                    self.push_failed(member)
+                    self.member_failed(member)
             self.transfer.finished(version, time.perf_counter() - t)
 
     def serving(self) -> list[Member]:
@@ -451,8 +451,7 @@ class RolloutPool(RoleGroup):
             except Exception:
                 if member.kind == "launch":  # the HealthManager's to handle
                     raise
-                log.warning("%s on %s failed; it stops serving until healthy", method, member.id)
-                self.router.mark_unhealthy(member.id)
+                self.member_failed(member, method)
 
     # ------------------------------------------------------------------ scale-out
     def _busy(self) -> ScaleRequest | None:

@@ -491,7 +491,7 @@ class AsyncMode(Mode):
                     raise
                 # an elastic engine failed: routed to again once healthy; a missed version is not fatal, a
                 # rollout is regenerated as after any role's failure
-                self.roles.rollout.push_failed(member)
+                self.roles.rollout.member_failed(member)
                 if kind != "sync":
                     raise
                 value = 0.0
