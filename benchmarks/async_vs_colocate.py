@@ -3,6 +3,7 @@
     python benchmarks/async_vs_colocate.py --seeds 1,2,3 --plot docs/img/async_vs_colocate.png   # 500 steps
     python benchmarks/async_vs_colocate.py --workload slow_tool --seeds 1,2,3 --staleness 1     # 40 steps
     python benchmarks/async_vs_colocate.py --workload slow_tool_wait --seeds 1,2,3 --staleness 1 --skip-bus
+    python benchmarks/async_vs_colocate.py --workload audio --seeds 1,2,3 --staleness 1 --skip-bus      # 40 steps
     python benchmarks/async_vs_colocate.py --steps 30 --seeds 1 --staleness 1 --skip-bus
     python benchmarks/async_vs_colocate.py --seeds 1,2,3 --staleness 1 --deterministic   # + mode.deterministic
 
@@ -16,7 +17,9 @@ rollout time is mostly waiting, which async overlaps with training) or ``slow_to
 with a 4.75M-parameter model and 1-2 s tool latency, so that the Actor's step and the rollout's waiting
 are both a real share of a step: overlap can pay) or ``code`` (``reward=code
 data=code_tiny``: each response's program runs against the row's tests in a sandbox, with its per-test
-wall-time limits). ``--set key=value`` adds overrides
+wall-time limits) or ``vision`` / ``audio`` (``experiment=vision_colors_tiny_vl`` /
+``audio_tones_tiny_omni``: the multimodal tasks, images and audio through the same pipeline in both modes).
+``--set key=value`` adds overrides
 (e.g. ``trainer.sft_warmup_steps=10`` for a quick look).
 
 Each (mode, seed) runs ``python -m relax_launch mode=<mode> seed=<seed>`` with every other setting at the
@@ -77,6 +80,9 @@ WORKLOADS = {
         40,
     ),
     "code": (["reward=code", "data=code_tiny"], 500),
+    # the multimodal headline tasks: the tiny Qwen3-VL twin naming a square's colour, the tiny omni twin a tone
+    "vision": (["experiment=vision_colors_tiny_vl"], 40),
+    "audio": (["experiment=audio_tones_tiny_omni"], 40),
 }
 
 

@@ -32,10 +32,7 @@ from pathlib import Path
 from async_vs_colocate import WORKLOADS, aggregate, mean_std, plot_rewards, run_mode
 
 # task -> (launcher overrides, RL steps)
-TASKS = {
-    "default": WORKLOADS["default"],
-    "vision": (["experiment=vision_colors_tiny_vl"], 40),
-}
+TASKS = {name: WORKLOADS[name] for name in ("default", "vision")}
 
 
 def settings(staleness: list[int]) -> dict[str, tuple[str, int | None, list[str]]]:

@@ -21,6 +21,7 @@ from relax_core.engines.base import SamplingParams
 from relax_core.errors import RelaxUserError
 from relax_core.eval_metrics import answer_key, length_stats, sampled_metrics
 from relax_core.samples import PromptRecord, Sample
+from relax_rewards.config import RewardConfig
 from relax_rewards.executor import RewardExecutor, RewardItem
 
 log = logging.getLogger("relax")
@@ -77,13 +78,24 @@ def eval_sets(cfg) -> dict[str, EvalSetConfig]:
     return sets
 
 
+def with_run_judge(reward: RewardConfig, run_reward: RewardConfig) -> RewardConfig:
+    """An eval set's genrm reward with no judge of its own asks the run's: the URL the run's ``reward.judge``
+    router took, or the run's ``reward.kwargs.url``."""
+    url = run_reward.kwargs.get("url") if run_reward.name == "genrm" else None
+    if reward.name != "genrm" or reward.kwargs.get("url") or reward.judge is not None or not url:
+        return reward
+    return replace(reward, kwargs={**reward.kwargs, "url": url})
+
+
 @dataclass
 class EvalSet:
     name: str
     cfg: EvalSetConfig
     prompts: list[PromptRecord]
     # the set's own reward (``eval.sets.<name>.reward``); None: the engines' scores stand
-    rewards: RewardExecutor | None
+    reward: RewardConfig | None
+    # its executor, started at the set's first scoring: the run's judge is up by then
+    rewards: RewardExecutor | None = None
 
 
 class Evaluator:
@@ -104,8 +116,7 @@ class Evaluator:
                 system_prompt=s.system_prompt if s.system_prompt is not None else cfg.data.system_prompt,
             )
             prompts = load_prompts(path, data, tokenizer, media, s.prompt_template)[0][: s.limit]
-            rewards = RewardExecutor.from_config(s.reward) if s.reward is not None else None
-            self.sets[name] = EvalSet(name, s, prompts, rewards)
+            self.sets[name] = EvalSet(name, s, prompts, s.reward)
         # agent programs play episodes at the rollout's own sampling: no sampled pass there. In a training
         # run the sampled pass must leave the training draws as they were, which only the torch engine's
         # generator allows (vLLM/SGLang servers and multi-turn environments keep RNG state of their own);
@@ -195,7 +206,9 @@ class Evaluator:
         return out
 
     def _score(self, es: EvalSet, samples: list[Sample]) -> list[Sample]:
-        if es.rewards is not None:
+        if es.reward is not None:
+            if es.rewards is None:
+                es.rewards = RewardExecutor.from_config(with_run_judge(es.reward, self.cfg.reward))
             items = [RewardItem(x.uid, x.response_text, x.label, x.metadata, x.group_id) for x in samples]
             for x, outcome in zip(samples, es.rewards.score(items), strict=True):
                 x.reward, x.reward_extras = outcome.reward, dict(outcome.extras)

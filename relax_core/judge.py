@@ -9,10 +9,13 @@ to the router, so the genrm reward reaches the judge by URL from any reward work
 
 Placement: the judge engines are processes of their own on the driver's node, outside Ray's placement
 groups, with ``reward.judge.num_threads`` torch threads each; they take no share of the rollout engines'
-or the Actor's reserved resources.
+or the Actor's reserved resources. They see the GPUs ``reward.judge.devices`` names (their
+``CUDA_VISIBLE_DEVICES``), none by default: a judge never lands on a GPU Ray gave a role.
 
-Health: a thread probes every engine each ``reward.judge.health_interval_s``; an engine whose process died
-is started again on its port, and the router sends it nothing until it answers ``/health``. A request that
+Health: a thread probes every engine each ``reward.judge.health_interval_s``; an engine whose process died,
+or that has not answered ``/health`` for ``reward.judge.hang_timeout_s`` (hung), is started again on its
+port, and the router sends it nothing until it answers ``/health``. Restarts are the step metric
+``judge/restarts``. A request that
 finds no engine up within ``reward.judge.wait_s`` is refused (503), which genrm scores as a counted 0
 (``reward/judge_errors``). An engine that never comes up at start stops the launch with one line.
 """
@@ -23,6 +26,7 @@ import asyncio
 import atexit
 import importlib.resources
 import logging
+import os
 import sys
 import threading
 import time
@@ -50,41 +54,66 @@ def judge_model_path(judge: Any, output_dir: str, seed: int) -> str:
                 "point it at a local Hugging Face checkpoint folder"
             )
         return str(Path(judge.path).expanduser())
-    from omegaconf import OmegaConf
-
     from relax_models.families import get_family
+
+    family, dims = tiny_judge_spec(judge.model)
+    # the judge reads a whole prompt template: room for it, whatever context the policy's twin has
+    dims["max_position_embeddings"] = max(dims.get("max_position_embeddings", 0), 2048)
+    return str(get_family(family).build_tiny(Path(output_dir) / "judge_init", seed=seed, **dims))
+
+
+def tiny_judge_spec(name: str) -> tuple[str, dict[str, Any]]:
+    """(family, tiny dimensions) of ``conf/model/<name>.yaml``, for ``reward.judge.model``."""
+    from omegaconf import OmegaConf
 
     # the conf tree ships as the package data relax_launch.conf: read as files, nothing imported from it
     specs = Path(str(importlib.resources.files("relax_launch.conf") / "model"))
-    spec_file = specs / f"{judge.model}.yaml"
+    spec_file = specs / f"{name}.yaml"
     spec = OmegaConf.load(spec_file) if spec_file.is_file() else None
     if spec is None or spec.get("tiny") is None:
         tiny = sorted(p.stem for p in specs.glob("tiny_*.yaml"))
-        raise RelaxUserError(f"reward.judge.model={judge.model!r} is not a tiny model spec; one of {tiny}")
-    dims = OmegaConf.to_container(spec.tiny)
-    # the judge reads a whole prompt template: room for it, whatever context the policy's twin has
-    dims["max_position_embeddings"] = max(dims.get("max_position_embeddings", 0), 2048)
-    return str(get_family(spec.family).build_tiny(Path(output_dir) / "judge_init", seed=seed, **dims))
+        raise RelaxUserError(f"reward.judge.model={name!r} is not a tiny model spec; one of {tiny}")
+    return spec.family, OmegaConf.to_container(spec.tiny)
 
 
 class JudgeEngine:
     """One judge engine server process on a fixed port (kept across restarts, so the router's key holds)."""
 
-    def __init__(self, command: list[str], port: int) -> None:
-        self.command, self.port = command, port
+    def __init__(self, command: list[str], port: int, startup_timeout_s: float, devices: str) -> None:
+        self.command, self.port, self.startup_timeout_s = command, port, startup_timeout_s
         self.url = f"http://127.0.0.1:{port}"
-        self.process = ServerProcess(command)
+        self.env = os.environ | {"CUDA_VISIBLE_DEVICES": devices}
+        self.process = ServerProcess(command, self.env)
+        self.started = time.monotonic()
+        self.last_healthy: float | None = None  # None: not up since its (re)start
 
     def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.url}/health", timeout=5.0) as reply:
-                return self.process.alive() and reply.status == 200
+                ok = self.process.alive() and reply.status == 200
         except OSError:  # refused, timed out, or an HTTP error status
-            return False
+            ok = False
+        if ok:
+            self.last_healthy = time.monotonic()
+        return ok
+
+    def fault(self, hang_timeout_s: float) -> str | None:
+        """Why this engine must be started again (its process died, or it stopped answering: since it was
+        last up for ``hang_timeout_s``, or since its start for ``startup_timeout_s``), or None."""
+        if not self.process.alive():
+            return f"died (exit code {self.process.popen.poll()})"
+        since, limit = (
+            (self.started, self.startup_timeout_s)
+            if self.last_healthy is None
+            else (self.last_healthy, hang_timeout_s)
+        )
+        silent = time.monotonic() - since
+        return f"hung (no /health answer for {silent:.0f} s)" if silent > limit else None
 
     def restart(self) -> None:
         self.process.stop(grace_s=1.0)  # reap it and anything left in its group
-        self.process = ServerProcess(self.command)
+        self.process = ServerProcess(self.command, self.env)
+        self.started, self.last_healthy = time.monotonic(), None
 
 
 class JudgeGroup:
@@ -106,7 +135,7 @@ class JudgeGroup:
                 *("--port", str(port), "--threads", str(judge.num_threads), "--dtype", judge.dtype),
                 *("--seed", str(seed + i), "--max-running", str(judge.max_running)),
             ]
-            self.engines.append(JudgeEngine(command, port))
+            self.engines.append(JudgeEngine(command, port, judge.startup_timeout_s, judge.devices))
         try:
             for i, engine in enumerate(self.engines):
                 try:
@@ -179,16 +208,15 @@ class JudgeGroup:
         while not self._stopped.wait(self.cfg.health_interval_s):
             for key, ok in self.router.check_health(lambda k: self.engines[k].healthy()).items():
                 engine = self.engines[key]
-                if ok or engine.process.alive() or self._stopped.is_set():
+                fault = None if ok or self._stopped.is_set() else engine.fault(self.cfg.hang_timeout_s)
+                if fault is None:
                     continue
                 self.restarts += 1
-                log.warning(
-                    "judge engine %d died (exit code %s): starting it again (restart %d)",
-                    key,
-                    engine.process.popen.poll(),
-                    self.restarts,
-                )
+                log.warning("judge engine %d %s: starting it again (restart %d)", key, fault, self.restarts)
                 engine.restart()
+
+    def metrics(self) -> dict[str, float]:
+        return {"judge/restarts": float(self.restarts)}
 
     def _stop_engines(self) -> None:
         for engine in self.engines:

@@ -531,6 +531,31 @@ def engine_memory(cfg: Any, arch: Arch, index: int, gpu: bool, capacity: float |
     return RoleMemory(role, {"engine_weights": weights, "kv_cache": float(kv), "sampling": float(sampling)})
 
 
+def judge_memory(cfg: Any) -> RoleMemory | None:
+    """One managed GenRM judge engine (``reward.judge``, relax_core/judge.py): the torch engine's weights and
+    a dense KV cache of up to ``reward.judge.max_running`` rows, each a policy row plus the verdict's tokens
+    (the template's own words are not counted); None without a managed judge."""
+    judge = cfg.reward.judge
+    if judge is None or not (judge.path or judge.model):
+        return None
+    from types import SimpleNamespace
+
+    if judge.path:
+        arch, _ = model_arch(SimpleNamespace(path=judge.path, tiny=None, name=judge.path))
+    else:
+        from relax_core.judge import tiny_judge_spec
+
+        tiny = tiny_judge_spec(judge.model)[1]
+        arch, _ = model_arch(SimpleNamespace(path=None, tiny=tiny, name=judge.model))
+    eb = DTYPE_BYTES.get(judge.dtype, 4)
+    prompt, response = _seq(cfg)
+    verdict = int((cfg.reward.kwargs.get("sampling_params") or {}).get("max_new_tokens", 16))
+    rows = min(judge.max_running, cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
+    kv = 2 * arch.num_layers * rows * (prompt + response + verdict) * arch.kv_dim * eb
+    items = {"engine_weights": arch.params * eb, "kv_cache": float(kv), "runtime": CPU_RUNTIME_BYTES}
+    return RoleMemory(f"judge engine ({judge.dtype})", items)
+
+
 def _placement(cfg: Any) -> list[list[tuple[str, str, float]]]:
     """Roles per GPU bundle: (kind, name, GPUs asked). Mirrors placement.colocate_bundles/gpu_bundles."""
     from relax_core.algorithms.spec import requirements
@@ -615,6 +640,13 @@ def estimate(cfg: Any) -> MemoryReport:
                 if kind == "actor":
                     rank_gpu = target
                 target.roles.append(memory)
+        judge = judge_memory(cfg)
+        if judge is not None:  # processes of the driver's node, outside the GPUs Ray places roles on
+            where = f"GPU(s) {cfg.reward.judge.devices}" if cfg.reward.judge.devices else "the CPU"
+            notes.append(
+                f"{cfg.reward.judge.num_engines} judge engine(s) on {where}, {judge.total / GB:.2f} GB each "
+                "(not in the table)"
+            )
         return MemoryReport(arch, source, True, capacity, devices, notes)
     # CPU: one process per role, except in_process (all) and colocate's fused Actor + engine
     r, t = cfg.rollout, cfg.trainer
@@ -640,4 +672,7 @@ def estimate(cfg: Any) -> MemoryReport:
             if fused and kind == "engine":
                 label = "actor + rollout engine 0 (fused)"
             devices.append(Device("process " + ("(all roles)" if one else label), [memory]))
+    judge = judge_memory(cfg)
+    for i in range(cfg.reward.judge.num_engines if judge is not None else 0):
+        devices.append(Device(f"process judge engine {i}", [judge]))
     return MemoryReport(arch, source, False, None, devices, notes)

@@ -279,6 +279,8 @@ class RunLoop:
         """Evaluate when due, log, checkpoint when due (or when a preemption asks for it)."""
         t = self.cfg.trainer
         metrics |= self.health.metrics()
+        if self.mode.judge is not None:
+            metrics |= self.mode.judge.metrics()
         example = metrics.pop(ERROR_EXAMPLE, None)
         if (
             t.eval_every

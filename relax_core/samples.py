@@ -73,6 +73,52 @@ class Sample:
 
 
 @dataclass
+class RolloutRound:
+    """What one rollout call wrote to the DataBus (mode=async), as the driver gets it back: the group
+    slots it filled and the reward side of its rows. The rows themselves stay on the bus."""
+
+    filled: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    reward_extras: list[dict[str, float]] = field(default_factory=list)
+    # (position in ``rewards``, group id, index in group, message) of each reward that failed: the rewards
+    # carry only their 0, the step's stop message quotes one
+    reward_errors: list[tuple[int, int, int, str]] = field(default_factory=list)
+    response_lengths: list[int] = field(default_factory=list)
+    # every generated sample, kept or not (dynamic sampling's metrics)
+    generated_groups: int = 0
+    generated_rewards: list[float] = field(default_factory=list)
+    kept_groups: int = 0
+    put_s: float = 0.0
+    # generations resumed after an abort at a weight swap
+    resumed: int = 0
+
+    def add_written(self, slots: list[int], samples: list[Sample], put_s: float) -> None:
+        """Book ``samples``, just written into the group ``slots``."""
+        self.filled += slots
+        self.put_s += put_s
+        self.reward_errors += [
+            (len(self.rewards) + i, s.group_id, s.index_in_group, s.metadata["reward_error"])
+            for i, s in enumerate(samples)
+            if (s.metadata or {}).get("reward_error")
+        ]
+        self.rewards += [s.reward for s in samples]
+        self.reward_extras += [s.reward_extras for s in samples]
+        self.response_lengths += [len(s.response_ids) for s in samples]
+
+    def reward_samples(self) -> list[Sample]:
+        """The written samples' reward side (reward, extras, each error with its sample's id): what
+        ``reward_metrics`` needs."""
+        samples = [
+            Sample(0, 0, [], [], [], [], reward=reward, reward_extras=extras)
+            for reward, extras in zip(self.rewards, self.reward_extras, strict=True)
+        ]
+        for i, group_id, index, error in self.reward_errors:
+            samples[i].group_id, samples[i].index_in_group = group_id, index
+            samples[i].metadata = {"reward_error": error}
+        return samples
+
+
+@dataclass
 class TrainBatch:
     """Right-padded tensors for a list of samples; row i is ``samples[i]``.
 

@@ -167,7 +167,7 @@ def validate(cfg) -> None:
         validate_async(cfg)
     from relax_core.engines import ENGINES, engine_dtype
 
-    _check_choice("rollout.engine", r.engine, ENGINES)
+    _check_choice("rollout.engine", r.engine, ENGINES.names())
     engine_dtype(r.dtype)  # names the key when the dtype is unknown
     if a.routing_replay:
         _check_routing_replay(cfg)

@@ -23,12 +23,18 @@ class JudgeConfig:
     # torch CPU threads per judge engine
     num_threads: int = 1
     dtype: str = "float32"
+    # the judge engines' CUDA_VISIBLE_DEVICES: "" runs them on the CPU; GPUs named here (e.g. "7") must be
+    # left out of the GPUs the run's Ray cluster hands its roles, or they share them
+    devices: str = ""
     # samples one judge engine decodes together (concurrent judge requests share decode steps)
     max_running: int = 64
     # a judge engine not answering /health by then stops the launch with one line
     startup_timeout_s: float = 300.0
     # how often the judge engines are probed; a dead one is restarted on its port
     health_interval_s: float = 1.0
+    # an engine whose process lives but has not answered /health for this long is hung: it is killed and
+    # started again like a dead one
+    hang_timeout_s: float = 60.0
     # how long a judge request waits at the router for an engine that is up before it is refused (503)
     wait_s: float = 5.0
 

@@ -329,6 +329,8 @@ class AgentRolloutHost(BusProducer):
     rollout engines, runs the program's copies, and writes each step's episodes to the DataBus as
     :meth:`BusProducer.produce <relax_core.databus.stages.BusProducer.produce>` writes generated samples."""
 
+    plays_episodes = True
+
     def __init__(self, cfg, model_path: str, engines: list, bus: DataBus, cwd: str) -> None:
         from relax_models.loader import load_tokenizer
 

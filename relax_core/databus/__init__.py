@@ -19,9 +19,16 @@ from relax_core.databus.base import (
     sample_key,
 )
 from relax_core.databus.memory import InMemoryDataBus
-from relax_core.errors import RelaxUserError
+from relax_core.options import Option
 
-DATABUS_CHOICES = ["ray", "transferqueue", "memory"]
+DATABUSES = Option(
+    "mode.databus",
+    {
+        "ray": "relax_core.databus.ray_bus:RayDataBus",
+        "transferqueue": "relax_core.databus.transferqueue:TransferQueueDataBus",
+        "memory": "relax_core.databus.memory:InMemoryDataBus",
+    },
+)
 # logical CPUs each bus's own actors reserve in Ray: the ray bus's server; TransferQueue's controller and its
 # one storage unit, 1 each (TransferQueue's own reservation)
 BUS_CPUS = {"ray": 0.1, "transferqueue": 2.0, "memory": 0.0}
@@ -29,21 +36,11 @@ BUS_CPUS = {"ray": 0.1, "transferqueue": 2.0, "memory": 0.0}
 
 def start_databus(name: str) -> DataBus:
     """Start the bus ``mode.databus`` names in the current process / Ray cluster."""
-    if name == "ray":
-        from relax_core.databus.ray_bus import RayDataBus
-
-        return RayDataBus.start(num_cpus=BUS_CPUS["ray"], name="databus")
-    if name == "transferqueue":
-        from relax_core.databus.transferqueue import TransferQueueDataBus
-
-        return TransferQueueDataBus.start()
-    if name == "memory":
-        return InMemoryDataBus()
-    raise RelaxUserError(f"mode.databus={name!r} is not one of {DATABUS_CHOICES}")
+    return DATABUSES.load(name).start()
 
 
 __all__ = [
-    "DATABUS_CHOICES",
+    "DATABUSES",
     "DataBus",
     "DataBusDown",
     "DataBusTimeout",

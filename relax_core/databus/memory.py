@@ -8,6 +8,12 @@ from relax_core.databus.base import DataBus, Fields, PartitionCancelled
 
 
 class InMemoryDataBus(DataBus):
+    """Partitions in a dict of this process: roles on threads of one process (tests, in-process tools)."""
+
+    @classmethod
+    def start(cls) -> InMemoryDataBus:
+        return cls()
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         # partition -> key -> field -> value

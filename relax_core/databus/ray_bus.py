@@ -59,7 +59,8 @@ class RayDataBus(DataBus):
         self._owner = False
 
     @classmethod
-    def start(cls, num_cpus: float = 0.1, name: str | None = None) -> RayDataBus:
+    def start(cls, num_cpus: float = 0.1, name: str | None = "databus") -> RayDataBus:
+        """The bus server as a Ray actor (``name``: how resilience tools find it), and its client."""
         # a killed server is restarted by Ray with empty partitions (same handle for every role); the
         # async scheduler then regenerates the steps that were in flight
         server = (

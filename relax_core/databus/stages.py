@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from relax_core.algorithm_roles import shape_rewards, with_spread
-from relax_core.algorithms.objective import micro_batch_weight
+from relax_core.algorithms.objective import micro_batch_weight, sequence_count
 from relax_core.databus.base import DataBus, Fields, PartitionCancelled, partition_name, sample_key
 from relax_core.databus.records import (
     MEDIA_FIELDS,
@@ -26,7 +26,7 @@ from relax_core.databus.records import (
     sample_rows,
 )
 from relax_core.ray_errors import RayActorError
-from relax_core.samples import Sample, TrainBatch
+from relax_core.samples import RolloutRound, Sample, TrainBatch
 
 
 def prompt_groups(samples: list[Sample], group_size: int) -> list[list[Sample]]:
@@ -130,6 +130,10 @@ class MicroStream:
     cancelled, so they stop together instead of one rank waiting in a collective for another that left.
     ``in_order``: micro-batches take ``keys`` in order, not whichever are ready first, so the ranks of one
     model replica (megatron's tensor/expert groups), which read the same keys, build the same micro-batches.
+
+    ``whole_first`` (``mode.max_staleness=0``, where nothing overlaps anyway): wait for every row, then take
+    the micro-batches in key order with the batch's totals known (:attr:`totals`), so each loss carries
+    colocate's weight and nothing is rescaled afterwards: the step is colocate's, float rounding included.
     """
 
     rank_local = True
@@ -145,8 +149,12 @@ class MicroStream:
         algo,
         backend,
         in_order: bool = False,
+        whole_first: bool = False,
     ) -> None:
         self.bus, self.pad, self.part, self.keys, self.in_order = bus, pad_token_id, part, keys, in_order
+        self.whole_first = whole_first
+        # (tokens, sequences) of the optimizer batch over every rank, when known before its first micro-batch
+        self.totals: tuple[float, int] | None = None
         self.need, self.extras, self.algo, self.backend = need, extras, algo, backend
         self.size = len(keys)
         self.total_weight = 0.0
@@ -162,6 +170,9 @@ class MicroStream:
         return math.ceil(len(self.keys) / self.size)
 
     def __iter__(self) -> Iterator[TrainBatch]:
+        if self.whole_first:
+            yield from self._whole_batch()
+            return
         remaining = list(self.keys)
         while remaining:
             t = time.perf_counter()
@@ -179,6 +190,25 @@ class MicroStream:
         # the denominator the whole-batch micro_batch_weight uses, over every rank's rows
         (self.total_weight,) = self.backend.sum_over_ranks([self.total_weight])
         self.backend.scale_gradients(1.0 / max(self.total_weight, 1.0))
+
+    def _whole_batch(self) -> Iterator[TrainBatch]:
+        t = time.perf_counter()
+        rows = self._next_rows(len(self.keys), set(self.keys))
+        if self.backend.any_over_ranks(rows is None):
+            raise PartitionCancelled(self.part)
+        self.wait_s += time.perf_counter() - t
+        chosen, fields = rows
+        at = {key: i for i, key in enumerate(chosen)}
+        order = [at[key] for key in self.keys]
+        batch = batch_from_rows({k: [v[i] for i in order] for k, v in fields.items()}, self.pad, self.extras)
+        micros = batch.micro_batches(self.size)
+        tokens = sum(float(m.loss_mask.sum()) for m in micros)
+        sequences = sum(sequence_count(m, self.algo) for m in micros)
+        tokens, sequences = self.backend.sum_over_ranks([tokens, float(sequences)])
+        self.totals = (tokens, int(sequences))
+        for micro in micros:
+            self.versions += micro.policy_versions.tolist()
+            yield micro
 
     def _next_rows(self, want: int, pending: set[str]) -> tuple[list[str], Fields] | None:
         """``want`` rows of ``pending`` once that many are ready (keys, fields); None if the partition was
@@ -204,8 +234,22 @@ class BusProducer:
     bus: DataBus | None
     # generations resumed after an abort at a weight swap, reported per rollout call
     resumed: int = 0
+    # whether ``generate`` plays episodes (environment or agent program), whose tool waits a chunk pays anew
+    plays_episodes: bool = False
 
-    def produce(self, step: int, prompts: list, slots: list[int], last_round: bool = True) -> dict[str, Any]:
+    def chunk_prompts(self, prompts: int) -> int:
+        """Prompts per engine call. At staleness 0 a step is one call, as in colocate: the engine's sampler
+        draws from one random stream, so chunks would draw other tokens than colocate's run of the same
+        seed. Else ``mode.rollout_chunk_prompts`` (0: one call), whose null default means 4 prompts for
+        single-turn generation and one call for episodes: each episode loop waits on its slowest tool
+        call, and chunks run one after another, so each would pay that wait again."""
+        m = self.cfg.mode
+        chunk = m.rollout_chunk_prompts
+        if chunk is None:
+            chunk = 0 if self.plays_episodes else 4
+        return (chunk if m.max_staleness else 0) or prompts
+
+    def produce(self, step: int, prompts: list, slots: list[int], last_round: bool = True) -> RolloutRound:
         """Generate and score ``prompts`` chunk by chunk, writing whole prompt groups into the step's group
         ``slots`` on the bus (slot g holds positions g·n … g·n+n−1) as each chunk finishes.
 
@@ -213,38 +257,31 @@ class BusProducer:
         last round the slots still free get zero-spread groups with a zeroed loss mask, so the step keeps
         its size and the Actor's stream its shape, but those groups add nothing to the loss.
         """
-        r, a, m = self.cfg.rollout, self.cfg.algorithm, self.cfg.mode
-        # at staleness 0 the step is one engine call, as in colocate: the engine's sampler draws from one
-        # random stream, so chunks would draw other tokens than colocate's run of the same seed
-        n, chunk = r.n_samples_per_prompt, (m.rollout_chunk_prompts if m.max_staleness else 0) or len(prompts)
-        out: dict[str, Any] = {"rewards": [], "extras": [], "lens": [], "versions": [], "put_s": 0.0}
-        out |= {"filled": [], "errors": [], "kept_groups": 0, "generated_groups": 0, "generated_rewards": []}
+        r, a = self.cfg.rollout, self.cfg.algorithm
+        n, chunk = r.n_samples_per_prompt, self.chunk_prompts(len(prompts))
+        out = RolloutRound()
         free, spare = list(slots), []
-        t0 = time.perf_counter()
         for c in range(0, len(prompts), chunk):
             if not free:
                 break
             samples = shape_rewards(self.generate(prompts[c : c + chunk]), a, r.max_new_tokens)
-            out["generated_groups"] += len(samples) // n
-            out["generated_rewards"] += [s.reward for s in samples]
+            out.generated_groups += len(samples) // n
+            out.generated_rewards += [s.reward for s in samples]
             kept = with_spread(samples) if a.dynamic_sampling else samples
             kept_ids = {id(s) for s in kept}
             spare += [s for s in samples if id(s) not in kept_ids]
             groups = prompt_groups(kept, n)[: len(free)]
-            out["kept_groups"] += len(groups)
+            out.kept_groups += len(groups)
             free = self._write(step, groups, free, out)
         if last_round and free:
             filler = [
                 [replace(s, loss_mask=[0] * len(s.loss_mask)) for s in g] for g in prompt_groups(spare, n)
             ]
             free = self._write(step, filler[: len(free)], free, out)
-        out["wall_s"] = time.perf_counter() - t0
-        out["resumed"] = self.resumed
+        out.resumed = self.resumed
         return out
 
-    def _write(
-        self, step: int, groups: list[list[Sample]], free: list[int], out: dict[str, Any]
-    ) -> list[int]:
+    def _write(self, step: int, groups: list[list[Sample]], free: list[int], out: RolloutRound) -> list[int]:
         """Put ``groups`` into the first free slots (one bus call); returns the slots still free."""
         if not groups:
             return free
@@ -253,16 +290,5 @@ class BusProducer:
         keys, fields = sample_rows(samples, 0, [sample_key(g * n + j) for g in used for j in range(n)])
         t = time.perf_counter()
         self.bus.put(partition_name(step), keys, fields)
-        out["put_s"] += time.perf_counter() - t
-        out["filled"] += used
-        # the reward errors with their samples' ids (the rewards above carry only 0), for the stop message
-        out["errors"] += [
-            (len(out["rewards"]) + i, s.group_id, s.index_in_group, s.metadata["reward_error"])
-            for i, s in enumerate(samples)
-            if (s.metadata or {}).get("reward_error")
-        ]
-        out["rewards"] += [s.reward for s in samples]
-        out["extras"] += [s.reward_extras for s in samples]
-        out["lens"] += [len(s.response_ids) for s in samples]
-        out["versions"] += [s.policy_version for s in samples]
+        out.add_written(used, samples, time.perf_counter() - t)
         return free[len(groups) :]

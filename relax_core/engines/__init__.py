@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from relax_core.engines.base import RolloutEngine, engine_dtype
-from relax_core.errors import RelaxUserError
+from relax_core.engines.base import EngineSetup, RolloutEngine, engine_dtype
+from relax_core.options import Option
 
-ENGINES = ["torch", "sglang", "vllm"]
+ENGINES = Option(
+    "rollout.engine",
+    {
+        "torch": "relax_core.engines.torch_engine:TorchEngine",
+        "sglang": "relax_core.engines.sglang:SGLangEngine",
+        "vllm": "relax_core.engines.vllm:VLLMEngine",
+    },
+)
 
 
 def build_engine(
@@ -25,38 +32,8 @@ def build_engine(
 
         tokens = rollout_cfg.engine_tokens if rollout_cfg is not None else {}
         return HttpEngine(engine_url, base_model_path=model_path, token=tokens.get(engine_url.rstrip("/")))
-    if name == "torch":
-        from transformers import AutoConfig
+    setup = EngineSetup(model_path, seed, rollout_cfg, model_cfg, tokenizer, record_routing)
+    return ENGINES.load(name).from_config(setup)
 
-        from relax_core.engines.torch_engine import TorchEngine
-        from relax_models.families import FAMILIES, family_for_model_type
-        from relax_models.loader import DTYPES
 
-        family = family_for_model_type(AutoConfig.from_pretrained(model_path).model_type)
-        from relax_core.placement import role_device
-
-        model = FAMILIES[family].load(model_path, DTYPES[model_cfg.dtype], model_cfg.attn_implementation)
-        model = model.to(role_device())  # the engine decodes on its model's device
-        dtype = engine_dtype(rollout_cfg.dtype) if rollout_cfg is not None else None
-        return TorchEngine(
-            model,
-            tokenizer.pad_token_id,
-            [tokenizer.eos_token_id],
-            seed=seed,
-            tokenizer=tokenizer,
-            family=family,
-            max_running=rollout_cfg.max_running if rollout_cfg is not None else 1024,
-            dtype=dtype,
-            native_kernels=rollout_cfg.native_kernels if rollout_cfg is not None else False,
-            record_routing=record_routing,
-            kv_cache_tokens=rollout_cfg.kv_cache_tokens if rollout_cfg is not None else None,
-        )
-    if name == "sglang":
-        from relax_core.engines.sglang import SGLangEngine
-
-        return SGLangEngine.from_config(model_path, seed, rollout_cfg)
-    if name == "vllm":
-        from relax_core.engines.vllm import VLLMEngine
-
-        return VLLMEngine.from_config(model_path, seed, rollout_cfg)
-    raise RelaxUserError(f"rollout.engine={name!r} is not available; choose one of {ENGINES}")
+__all__ = ["ENGINES", "EngineSetup", "RolloutEngine", "build_engine", "engine_dtype"]

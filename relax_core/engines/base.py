@@ -10,11 +10,31 @@ from __future__ import annotations
 import abc
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from relax_core.errors import RelaxUserError
+
+if TYPE_CHECKING:
+    from relax_core.config import ModelConfig, RolloutConfig
+
+
+@dataclass
+class EngineSetup:
+    """What building a rollout engine takes; each engine reads the part it needs (``from_config``)."""
+
+    model_path: str
+    seed: int
+    rollout: RolloutConfig | None = None  # None: the defaults of conf/rollout
+    model: ModelConfig | None = None  # the policy's dtype and attention (the torch engine loads it itself)
+    tokenizer: Any = None  # the policy's; the torch engine stops on its eos and pads with its pad token
+    record_routing: bool = False  # algorithm.routing_replay: results carry MoE routing (torch engine)
+
+    def rollout_config(self) -> RolloutConfig:
+        from relax_core.config import RolloutConfig
+
+        return self.rollout if self.rollout is not None else RolloutConfig()
 
 
 @dataclass

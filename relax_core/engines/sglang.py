@@ -20,8 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from relax_core.config import RolloutConfig
-from relax_core.engines.base import default_memory_fraction, engine_dtype
+from relax_core.engines.base import EngineSetup, default_memory_fraction, engine_dtype
 from relax_core.engines.server_process import (
     ServerEngine,
     ServerProcess,
@@ -123,9 +122,10 @@ class SGLangEngine(ServerEngine):
         )
 
     @classmethod
-    def from_config(cls, model_path: str, seed: int, rollout_cfg: RolloutConfig | None) -> SGLangEngine:
-        """The engine ``rollout.*`` describes (``conf/rollout/sglang.yaml``)."""
-        r = rollout_cfg if rollout_cfg is not None else RolloutConfig()
+    def from_config(cls, setup: EngineSetup) -> SGLangEngine:
+        """The engine ``rollout.*`` describes (``conf/rollout/sglang.yaml``); the server loads its own model
+        and tokenizer from ``setup.model_path``."""
+        r, model_path, seed = setup.rollout_config(), setup.model_path, setup.seed
         return cls(
             model_path,
             seed=seed,

@@ -39,7 +39,14 @@ from typing import Any
 
 import torch
 
-from relax_core.engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
+from relax_core.engines.base import (
+    EngineSetup,
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    SamplingParams,
+    engine_dtype,
+)
 from relax_core.errors import RelaxUserError
 
 
@@ -255,6 +262,37 @@ class _SlotState:
 
 class TorchEngine(RolloutEngine):
     """Batched sampling with a slot KV cache and continuous batching (see the module docstring)."""
+
+    @classmethod
+    def from_config(cls, setup: EngineSetup) -> TorchEngine:
+        """The policy of ``setup.model_path`` loaded in this process, on its role's device, sampling as
+        ``rollout.*`` describes."""
+        from transformers import AutoConfig
+
+        from relax_core.config import ModelConfig
+        from relax_core.placement import role_device
+        from relax_models.families import FAMILIES, family_for_model_type
+        from relax_models.loader import DTYPES
+
+        r, model_cfg = setup.rollout_config(), setup.model or ModelConfig()
+        family = family_for_model_type(AutoConfig.from_pretrained(setup.model_path).model_type)
+        model = FAMILIES[family].load(
+            setup.model_path, DTYPES[model_cfg.dtype], model_cfg.attn_implementation
+        )
+        tokenizer = setup.tokenizer
+        return cls(
+            model.to(role_device()),  # the engine decodes on its model's device
+            tokenizer.pad_token_id,
+            [tokenizer.eos_token_id],
+            seed=setup.seed,
+            tokenizer=tokenizer,
+            family=family,
+            max_running=r.max_running,
+            dtype=engine_dtype(r.dtype) if setup.rollout is not None else None,
+            native_kernels=r.native_kernels,
+            record_routing=setup.record_routing,
+            kv_cache_tokens=r.kv_cache_tokens,
+        )
 
     def __init__(
         self,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from relax_core.config import RolloutConfig
-from relax_core.engines.base import GPU_MEMORY_FRACTION, default_memory_fraction, engine_dtype
+from relax_core.engines.base import GPU_MEMORY_FRACTION, EngineSetup, default_memory_fraction, engine_dtype
 from relax_core.engines.server_process import (
     ServerEngine,
     ServerProcess,
@@ -197,9 +197,10 @@ class VLLMEngine(ServerEngine):
             super().resume_memory()
 
     @classmethod
-    def from_config(cls, model_path: str, seed: int, rollout_cfg: RolloutConfig | None) -> VLLMEngine:
-        """The engine ``rollout.*`` describes (``conf/rollout/vllm.yaml``)."""
-        r = rollout_cfg if rollout_cfg is not None else RolloutConfig()
+    def from_config(cls, setup: EngineSetup) -> VLLMEngine:
+        """The engine ``rollout.*`` describes (``conf/rollout/vllm.yaml``); the server loads its own model
+        and tokenizer from ``setup.model_path``."""
+        r, model_path, seed = setup.rollout_config(), setup.model_path, setup.seed
         fraction = r.memory_fraction if r.memory_fraction is not None else default_memory_fraction(r.num_gpus)
         return cls(
             model_path,

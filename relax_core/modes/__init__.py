@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from relax_core.modes.base import Mode, RoleGroups, RunContext
+from relax_core.options import Option
+
+MODES = Option(
+    "mode.name",
+    {
+        "colocate": "relax_core.modes.colocate:ColocateMode",
+        "async": "relax_core.modes.asynchronous:AsyncMode",
+    },
+)
 
 
 def build_mode(ctx: RunContext) -> Mode:
     """The scheduler ``mode.name`` names."""
-    if ctx.cfg.mode.name == "async":
-        from relax_core.modes.asynchronous import AsyncMode
-
-        return AsyncMode(ctx)
-    from relax_core.modes.colocate import ColocateMode
-
-    return ColocateMode(ctx)
+    return MODES.load(ctx.cfg.mode.name)(ctx)
 
 
-__all__ = ["Mode", "RoleGroups", "RunContext", "build_mode"]
+__all__ = ["MODES", "Mode", "RoleGroups", "RunContext", "build_mode"]

@@ -37,7 +37,7 @@ from ray.util.placement_group import remove_placement_group
 
 from relax_core.algorithm_roles import dynamic_sampling_metrics
 from relax_core.algorithms.spec import requirements
-from relax_core.databus import BUS_CPUS, DataBus, DataBusDown, partition_name, start_databus
+from relax_core.databus import BUS_CPUS, DATABUSES, DataBus, DataBusDown, partition_name, start_databus
 from relax_core.databus.records import MEDIA_FIELDS, SAMPLE_FIELDS
 from relax_core.engines.base import SamplingParams
 from relax_core.errors import ClusterTooSmall, RelaxUserError
@@ -51,7 +51,7 @@ from relax_core.roles.critic import Critic
 from relax_core.roles.reference import Reference
 from relax_core.roles.teacher import Teacher
 from relax_core.rollout_pool import EXTERNAL_NEEDS_COLOCATE, Member, RolloutPool
-from relax_core.samples import PromptRecord, Sample
+from relax_core.samples import PromptRecord, RolloutRound, Sample
 from relax_core.weight_transfer import WeightTransfer
 
 log = logging.getLogger("relax")
@@ -304,7 +304,7 @@ class AsyncMode(Mode):
         if role not in followers:
             return
         name, offset = followers[role]
-        if self.transfer.strategy_of(name, offset + index) == "collective":
+        if self.transfer.fixed_member(name, offset + index):
             raise GlobalRestartNeeded(
                 f"{role}-{index} restarted, but its weight broadcast group has fixed members"
             )
@@ -515,8 +515,8 @@ class AsyncMode(Mode):
             roll = st.roll
             roll["pending"].discard(ref)
             roll["parts"].append(value)
-            st.generated[s] = st.generated.get(s, 0) + len(value["rewards"])
-            filled = set(value["filled"])
+            st.generated[s] = st.generated.get(s, 0) + len(value.rewards)
+            filled = set(value.filled)
             roll["free"] = [g for g in roll["free"] if g not in filled]
             if roll["pending"]:
                 return
@@ -621,7 +621,7 @@ class AsyncMode(Mode):
             except Exception:  # noqa: BLE001  (failed or cancelled work is redone)
                 continue
             if kind == "rollout" and s == st.rolling:
-                st.generated[s] = st.generated.get(s, 0) + len(value["rewards"])
+                st.generated[s] = st.generated.get(s, 0) + len(value.rewards)
                 st.roll["parts"].append(value)
             elif kind == "train":
                 del st.kinds[ref]
@@ -644,11 +644,11 @@ class AsyncMode(Mode):
             st.generated[s] = max(st.generated.get(s, 0), self.step_samples)
 
     def _step_metrics(self, info: dict[str, Any]) -> StepMetrics:
-        parts = info["rollout"]
-        samples = part_samples(parts)
+        parts: list[RolloutRound] = info["rollout"]
+        samples = [s for p in parts for s in p.reward_samples()]
         train = info["train"]
-        tokens = sum(sum(p["lens"]) for p in parts)
-        put_s = sum(p["put_s"] for p in parts)
+        tokens = sum(sum(p.response_lengths) for p in parts)
+        put_s = sum(p.put_s for p in parts)
         self.bus_stats["put_samples"] += len(samples)
         self.bus_stats["put_s"] += put_s
         metrics = reward_metrics(samples) | train
@@ -663,7 +663,7 @@ class AsyncMode(Mode):
                 "rollout/num_engines": float(self.roles.rollout.num_active()),
                 "time/train_s": info["train_s"],
                 "time/bus_put_s": put_s,
-                "rollout/resumed": float(sum(p["resumed"] for p in parts)),
+                "rollout/resumed": float(sum(p.resumed for p in parts)),
                 "time/weight_sync_s": self.last_sync_s,
                 "weights/bytes": float(self.transfer.stats.bytes),
             }
@@ -679,27 +679,11 @@ class AsyncMode(Mode):
         if self.cfg.algorithm.dynamic_sampling:
             metrics |= dynamic_sampling_metrics(
                 info["rounds"],
-                sum(p["kept_groups"] for p in parts),
-                sum(p["generated_groups"] for p in parts),
-                [rw for p in parts for rw in p["generated_rewards"]],
+                sum(p.kept_groups for p in parts),
+                sum(p.generated_groups for p in parts),
+                [rw for p in parts for rw in p.generated_rewards],
             )
         return metrics
-
-
-def part_samples(parts: list[dict[str, Any]]) -> list[Sample]:
-    """The reward side of the samples Rollout.produce wrote (rewards, extras, and each reward error with
-    its sample's id), enough for :func:`reward_metrics`, which quotes an error for the TrainingGuard."""
-    samples = []
-    for p in parts:
-        rebuilt = [
-            Sample(0, 0, [], [], [], [], reward=rw, reward_extras=ex)
-            for rw, ex in zip(p["rewards"], p["extras"], strict=True)
-        ]
-        for i, group_id, index, error in p["errors"]:
-            rebuilt[i].group_id, rebuilt[i].index_in_group = group_id, index
-            rebuilt[i].metadata = {"reward_error": error}
-        samples += rebuilt
-    return samples
 
 
 def overlap_metrics(rollout_s: float, busy_s: float, publish_s: float, interval_s: float) -> StepMetrics:
@@ -720,16 +704,17 @@ def overlap_metrics(rollout_s: float, busy_s: float, publish_s: float, interval_
 
 def validate_async(cfg) -> None:
     """Rules of ``mode=async`` that types cannot express (called from :func:`relax_core.validation.validate`)."""
-    from relax_core.databus import DATABUS_CHOICES
-
     m = cfg.mode
     if cfg.rollout.engine_urls:
         raise RelaxUserError(f"rollout.engine_urls: {EXTERNAL_NEEDS_COLOCATE}")
-    if m.databus not in DATABUS_CHOICES[:2]:
-        raise RelaxUserError(f"mode.databus={m.databus!r} is not one of {DATABUS_CHOICES[:2]}")
+    across_processes = [
+        name for name in DATABUSES.names() if BUS_CPUS[name]
+    ]  # the memory bus is one process's
+    if m.databus not in across_processes:
+        raise RelaxUserError(f"mode.databus={m.databus!r} is not one of {across_processes}")
     if m.partial_rollout not in ("finish", "abort"):
         raise RelaxUserError(f"mode.partial_rollout={m.partial_rollout!r} is not one of ['finish', 'abort']")
-    if m.rollout_chunk_prompts < 0:
+    if m.rollout_chunk_prompts is not None and m.rollout_chunk_prompts < 0:
         raise RelaxUserError(f"mode.rollout_chunk_prompts must be >= 0, got {m.rollout_chunk_prompts}")
     if m.ref_update_interval < 0:
         raise RelaxUserError(f"mode.ref_update_interval must be >= 0, got {m.ref_update_interval}")

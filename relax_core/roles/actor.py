@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import torch
@@ -150,6 +151,7 @@ class Actor(WeightSource, WeightReceiver):
         part = partition_name(step)
         # megatron: the ranks of one model replica stream the same rows (in order, so in step)
         replica, in_order = self.backend.data_parallel_rank(self.rank), actor_world_size(trainer) > self.ranks
+        whole_first = self.cfg.mode.max_staleness == 0  # nothing overlaps: take colocate's exact weights
         sums: dict[str, float] = {}
         updates, wait_s, versions = 0, 0.0, []
         t0 = time.perf_counter()
@@ -159,10 +161,21 @@ class Actor(WeightSource, WeightReceiver):
                     share = min(global_size, total - start) // self.ranks
                     mine = keys[start + replica * share : start + (replica + 1) * share]
                     stream = MicroStream(
-                        self.bus, self.pad, part, mine, need, extras, algo, self.backend, in_order
+                        self.bus,
+                        self.pad,
+                        part,
+                        mine,
+                        need,
+                        extras,
+                        algo,
+                        self.backend,
+                        in_order,
+                        whole_first,
                     )
-                    out = self.backend.train_step(stream, self._streamed_loss, trainer.micro_batch_size)
-                    out["loss"] = out["loss"] / max(stream.total_weight, 1.0)
+                    loss_fn = functools.partial(self._streamed_loss, stream)
+                    out = self.backend.train_step(stream, loss_fn, trainer.micro_batch_size)
+                    if stream.totals is None:  # the gradients were scaled after the fact; the loss is too
+                        out["loss"] = out["loss"] / max(stream.total_weight, 1.0)
                     for k, v in out.items():
                         sums[k] = sums.get(k, 0.0) + v
                     updates += 1
@@ -189,11 +202,15 @@ class Actor(WeightSource, WeightReceiver):
         dist.all_gather_object(gathered, values)
         return [v for part in gathered for v in part]
 
-    def _streamed_loss(self, micro: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor):
-        """The objective of one streamed micro-batch, un-normalised (:class:`MicroStream` scales the
-        gradients once the batch is complete), plus the train-vs-rollout log-prob mismatch."""
+    def _streamed_loss(
+        self, stream: MicroStream, micro: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor
+    ):
+        """The objective of one streamed micro-batch, plus the train-vs-rollout log-prob mismatch: weighed by
+        its share of the batch when ``stream`` knows the totals, else un-normalised (``stream`` scales the
+        gradients once the batch is complete)."""
         algo = self.algo
-        loss, m = policy_objective(micro, logprobs, entropy, algo, micro_batch_weight(micro, 1.0, 1, algo))
+        weight = micro_batch_weight(micro, *(stream.totals or (1.0, 1)), algo)
+        loss, m = policy_objective(micro, logprobs, entropy, algo, weight)
         mask, lp = micro.loss_mask, logprobs.detach()
         m["off_policy/train_rollout_abs_diff"] = float(masked_mean((lp - micro.rollout_logprobs).abs(), mask))
         if "old_logprobs" in micro.extras:

@@ -68,6 +68,7 @@ class Rollout(WeightReceiver, BusProducer):
             self.multi_turn = MultiTurnRunner(
                 cfg.rollout, self.tokenizer, model_path, seed=cfg.seed * 1000 + replica
             )
+        self.plays_episodes = self.multi_turn is not None
 
     def _sampling(self, greedy: bool) -> SamplingParams:
         r = self.cfg.rollout

@@ -10,7 +10,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from relax_core import handles
-from relax_core.weight_transfer.base import TransferStats, WeightReceiver, WeightSource
+from relax_core.weight_transfer.base import TRANSPORTS, TransferStats, WeightReceiver, WeightSource, transport
 from relax_core.weight_transfer.channel import Layout, layout_of, plan_buckets
 
 if TYPE_CHECKING:
@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("relax")
 
-STRATEGIES = ["auto", "shared_memory", "object_store", "collective", "disk"]
+# what ``weight_transfer=`` accepts
+STRATEGIES = ["auto", *(name for name, t in TRANSPORTS.items() if t.user_option)]
 
 
 class WeightTransfer:
@@ -47,7 +48,8 @@ class WeightTransfer:
         # (version, payload ref, send-done ref, channel keys) of the newest publish
         self._latest: tuple[int, Any, Any, set[str]] | None = None
         self._sent_bytes: ray.ObjectRef | None = None  # what the newest publish moved (the source says)
-        self._tag = f"relax-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # names this run's channel resources (shared-memory files start with it: a dead driver's are found)
+        self.tag = f"relax-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._layout: Layout | None = None
         self._logged: set[int] = set()  # consumers whose route was logged
 
@@ -66,35 +68,10 @@ class WeightTransfer:
             return kinds[0]
         return f"{self.strategy} ({', '.join(f'{k} x{used.count(k)}' for k in kinds)})"
 
-    def strategy_of(self, name: str, index: int) -> str:
-        return self.routes[name][index]
-
-    def _spec(self, strategy: str, name: str, members: int, consumers: list[Any] | None = None) -> Any:
-        if strategy == "shared_memory":
-            from relax_core.weight_transfer.shared_memory import SharedMemorySpec, remove_orphans
-
-            remove_orphans()
-            return SharedMemorySpec(f"/dev/shm/{self._tag}-{name}", self.layout)
-        if strategy == "collective":
-            from relax_core.weight_transfer.collective import SyncSpec, collective_backend
-
-            host, port = handles.get(self.source.actors[0].free_address.remote())
-            # from what the members were given, not from the driver's devices
-            reports = handles.get(
-                [m.device_report.remote() for m in [self.source.actors[0], *(consumers or [])]]
-            )
-            backend = collective_backend(reports)
-            log.info("weight broadcast group %s: %s over %s", name, backend, reports)
-            return SyncSpec(name, host, port, members + 1, self.layout, self.bucket_mb, backend)
-        if strategy == "in_process":
-            from relax_core.weight_transfer.in_process import InProcessSpec
-
-            return InProcessSpec(f"{self._tag}-{name}")
-        if strategy == "disk":
-            from relax_core.weight_transfer.disk import DiskSpec
-
-            return DiskSpec(f"{self.run_dir}/rollout_weights/{name}", self.model_path)
-        return None
+    def fixed_member(self, name: str, index: int) -> bool:
+        """Whether member ``index`` of set ``name`` sits in a channel whose members are fixed (a broadcast
+        group), so a restarted replica cannot take its place."""
+        return TRANSPORTS[self.routes[name][index]].fixed_members
 
     def _log_routes(self, consumers: dict[str, Any], routes: list[str], nodes: list[str]) -> None:
         """Log, once per consumer, the channel that reaches it (``consumers``: label -> handle)."""
@@ -110,16 +87,16 @@ class WeightTransfer:
             self.strategy, self.mode, self.source, consumers, self.layout, strict=True
         )
         self._log_routes({f"{name} consumer {i}": c for i, c in enumerate(consumers)}, routes, nodes)
-        for strategy in sorted(set(routes), key=_SEND_ORDER.index):
-            members = [(i, c) for i, c in enumerate(consumers) if routes[i] == strategy]
-            spec = self._spec(strategy, name, len(members), [c for _, c in members])
+        for strategy in sorted(set(routes), key=list(TRANSPORTS).index):
+            members = [c for i, c in enumerate(consumers) if routes[i] == strategy]
+            spec = TRANSPORTS[strategy].spec(self, name, members)
             key = f"{strategy}:{name}"
             refs = [self.source.actors[0].source_connect.remote(key, strategy, spec)]
-            if strategy != "collective":  # the others need the source's end in place first
+            if not TRANSPORTS[strategy].fixed_members:  # the others need the source's end in place first
                 handles.get(refs)
                 refs = []
             # a consumer's rank counts within its channel (a broadcast group's ranks are 1..members)
-            refs += [c.weights_connect.remote(key, strategy, spec, r + 1) for r, (_, c) in enumerate(members)]
+            refs += [c.weights_connect.remote(key, strategy, spec, r + 1) for r, c in enumerate(members)]
             handles.get(refs, timeout=300)
         self.sets[name] = list(consumers)
         self.routes[name] = routes
@@ -127,13 +104,13 @@ class WeightTransfer:
     def replace(self, name: str, index: int, consumer: Any) -> None:
         """Member ``index`` of set ``name`` was restarted (maybe on another node): connect its replacement
         in its place, through the channel that reaches where it now runs."""
-        if self.routes[name][index] == "collective":
+        if TRANSPORTS[self.routes[name][index]].fixed_members:
             raise RuntimeError("a broadcast group's members are fixed; it cannot take a restarted replica")
         (route,), nodes = consumer_strategies(
             self.strategy, self.mode, self.source, [consumer], self.layout, strict=True, cross="object_store"
         )
         key = f"{route}:{name}"
-        spec = self._spec(route, name, 0)
+        spec = transport(route).spec(self, name, [consumer])
         if route not in self.routes[name]:  # the first of the set on this channel: open the source's end
             handles.get(self.source.actors[0].source_connect.remote(key, route, spec))
         self._logged.discard(id(consumer))
@@ -154,16 +131,14 @@ class WeightTransfer:
         # payload of its last channel
         keys = sorted(
             {f"{s}:{n}" for n in names for s in self.routes[n]},
-            key=lambda k: _SEND_ORDER.index(k.split(":", 1)[0]),
+            key=lambda k: list(TRANSPORTS).index(k.split(":", 1)[0]),
         )
         sends = [a.weights_send.options(num_returns=3).remote(keys, version) for a in self.source.actors]
         payload, sent_bytes, send_s = sends[0]
         refs = [send_s, sent_bytes] + [r for extra in sends[1:] for r in extra]
         for name in names:
             for consumer, route in zip(self.sets[name], self.routes[name], strict=True):
-                # collective consumers must run while the source sends; the others read what it left, so
-                # they wait for the send (its payload, or its tiny timing for channels that ignore it)
-                arg = None if route == "collective" else payload if route in _PAYLOAD else send_s
+                arg = TRANSPORTS[route].receive_argument(payload, send_s)
                 refs.append(consumer.weights_receive.remote(f"{route}:{name}", arg, version))
         self._latest = (version, payload, send_s, set(keys))
         self._sent_bytes = sent_bytes
@@ -188,7 +163,8 @@ class WeightTransfer:
             self.strategy, self.mode, self.source, [consumer], self.layout, strict=False, cross="object_store"
         )
         key = f"{route}:policy"
-        if self._latest is None or version is not None or key not in self._latest[3] or route == "collective":
+        late = transport(route)
+        if self._latest is None or version is not None or key not in self._latest[3] or late.fixed_members:
             # no channel of its kind was published into (or a broadcast group, whose members are fixed):
             # the newcomer gets the weights through the object store
             if self.mode == "async" and version is None:  # the Actor trains on: its weights are newer
@@ -203,23 +179,12 @@ class WeightTransfer:
             return consumer.weights_receive.remote(None, weights, v)
         self._log_routes({"a late consumer": consumer}, [route], nodes)
         v, payload, sent, _ = self._latest
-        handles.get(consumer.weights_connect.remote(key, route, self._spec(route, "policy", 0), 1))
-        return consumer.weights_receive.remote(key, payload if route in _PAYLOAD else sent, v)
+        handles.get(consumer.weights_connect.remote(key, route, late.spec(self, "policy", [consumer]), 1))
+        return consumer.weights_receive.remote(key, late.receive_argument(payload, sent), v)
 
     def close(self) -> None:
-        if any("shared_memory" in r for r in self.routes.values()):  # the files outlive a killed source
-            import glob
-
-            for path in glob.glob(f"/dev/shm/{self._tag}-*"):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-
-
-# publish order of the channels; those in _PAYLOAD hand consumers the source's return value
-_SEND_ORDER = ["in_process", "shared_memory", "collective", "disk", "object_store"]
-_PAYLOAD = {"object_store", "disk"}
+        for name in {route for routes in self.routes.values() for route in routes}:
+            TRANSPORTS[name].close(self)
 
 
 def consumer_strategies(

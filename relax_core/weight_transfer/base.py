@@ -30,25 +30,37 @@ from typing import Any
 
 import torch
 
-from relax_core.weight_transfer.channel import Channel, Layout, ObjectStoreChannel, layout_of, nbytes
-from relax_core.weight_transfer.collective import WeightSyncGroup
-from relax_core.weight_transfer.disk import DiskChannel
-from relax_core.weight_transfer.in_process import InProcessChannel
-from relax_core.weight_transfer.shared_memory import SharedMemoryChannel
+from relax_core.weight_transfer.channel import (
+    Channel,
+    Layout,
+    ObjectStoreTransport,
+    Transport,
+    layout_of,
+    nbytes,
+)
+from relax_core.weight_transfer.collective import CollectiveTransport
+from relax_core.weight_transfer.disk import DiskTransport
+from relax_core.weight_transfer.in_process import InProcessTransport
+from relax_core.weight_transfer.shared_memory import SharedMemoryTransport
+
+# every strategy by name, in publish order: the channels whose payload consumers read (disk, object store)
+# go last, since the source returns the payload of its last channel
+TRANSPORTS: dict[str, Transport] = {
+    t.name: t
+    for t in (
+        InProcessTransport(),
+        SharedMemoryTransport(),
+        CollectiveTransport(),
+        DiskTransport(),
+        ObjectStoreTransport(),
+    )
+}
 
 
-def open_channel(strategy: str, spec: Any, rank: int) -> Channel:
-    """The channel of ``strategy`` in this process: rank 0 sends, ranks > 0 receive."""
-    channels = {
-        "object_store": ObjectStoreChannel,
-        "shared_memory": SharedMemoryChannel,
-        "collective": WeightSyncGroup,
-        "disk": DiskChannel,
-        "in_process": InProcessChannel,
-    }
-    if strategy not in channels:
-        raise ValueError(f"no channel for weight-transfer strategy {strategy!r}")
-    return ObjectStoreChannel() if strategy == "object_store" else channels[strategy](spec, rank)
+def transport(strategy: str) -> Transport:
+    if strategy not in TRANSPORTS:
+        raise ValueError(f"no weight-transfer strategy {strategy!r}; known: {sorted(TRANSPORTS)}")
+    return TRANSPORTS[strategy]
 
 
 class _WeightEndpoint:
@@ -99,7 +111,7 @@ class WeightSource(_WeightEndpoint):
         return ray.util.get_node_ip_address(), free_port()
 
     def source_connect(self, key: str, strategy: str, spec: Any) -> None:
-        self._weight_channels()[key] = open_channel(strategy, spec, 0)
+        self._weight_channels()[key] = transport(strategy).open(spec, 0)
 
     def weights_snapshot(self, version: int) -> None:
         if not hasattr(self, "_snapshots"):
@@ -129,8 +141,8 @@ class WeightReceiver(_WeightEndpoint):
 
     def weights_connect(self, key: str, strategy: str, spec: Any, rank: int) -> None:
         channels = self._weight_channels()
-        if key not in channels or strategy == "collective":
-            channels[key] = open_channel(strategy, spec, rank)
+        if key not in channels or transport(strategy).fixed_members:  # a rebuilt group: a new end
+            channels[key] = transport(strategy).open(spec, rank)
 
     def weights_receive(self, key: str | None, payload: Any, version: int) -> float:
         """Read version ``version`` from channel ``key`` (None: ``payload`` is the state dict itself) and

@@ -1,12 +1,16 @@
-"""What every weight-transfer strategy shares: the layout of a published state dict and the
-:class:`Channel` each strategy implements (one end of its transport, living in a role process)."""
+"""What every weight-transfer strategy shares: the layout of a published state dict, the :class:`Channel`
+each strategy implements (one end of its transport, living in a role process) and the :class:`Transport`
+that describes the strategy to the driver (how it sets up a consumer set, how consumers read it)."""
 
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from relax_core.weight_transfer import WeightTransfer
 
 # (name, shape, dtype) of every tensor the source publishes, in order
 Layout = list[tuple[str, tuple[int, ...], str]]
@@ -53,12 +57,55 @@ class Channel(abc.ABC):
         """Release the channel's resources."""
 
 
+class Transport:
+    """A weight-transfer strategy as the driver sees it: the spec its channel ends are built from, and how
+    consumers read a publish. One instance per strategy, in :data:`relax_core.weight_transfer.base.TRANSPORTS`.
+    """
+
+    name: ClassVar[str]
+    channel: ClassVar[type[Channel]]
+    # consumers read the source's return value (an object-store reference, a folder) instead of a channel end
+    reads_payload: ClassVar[bool] = False
+    # the members are fixed when the channel is built and receive while the source sends (a broadcast
+    # group): a restarted or late consumer cannot join, and every end connects at once
+    fixed_members: ClassVar[bool] = False
+    # whether a user can name it as ``weight_transfer=<name>`` (in_process is only ever picked by auto)
+    user_option: ClassVar[bool] = True
+
+    def spec(self, transfer: WeightTransfer, set_name: str, consumers: list[Any]) -> Any:
+        """The picklable description both ends of consumer set ``set_name``'s channel are built from."""
+        return None
+
+    def open(self, spec: Any, rank: int) -> Channel:
+        """This process's end: rank 0 sends, ranks > 0 receive."""
+        return self.channel(spec, rank)
+
+    def receive_argument(self, payload: Any, send_done: Any) -> Any:
+        """What a consumer's ``weights_receive`` is handed: the payload, or the send's completion (so it
+        reads only after the source wrote), or nothing when it must receive while the source sends."""
+        if self.fixed_members:
+            return None
+        return payload if self.reads_payload else send_done
+
+    def close(self, transfer: WeightTransfer) -> None:
+        """Driver-side clean-up when the run ends (what a killed source could not remove)."""
+
+
 class ObjectStoreChannel(Channel):
     """The state dict itself is the payload: Ray stores the source's return value once and every consumer
     process fetches it (no copy through the driver)."""
+
+    def __init__(self, spec: Any = None, rank: int = 0) -> None:
+        pass
 
     def send(self, state_dict: dict[str, torch.Tensor], version: int) -> Any:
         return state_dict
 
     def receive(self, payload: Any) -> dict[str, torch.Tensor]:
         return payload
+
+
+class ObjectStoreTransport(Transport):
+    name = "object_store"
+    channel = ObjectStoreChannel
+    reads_payload = True

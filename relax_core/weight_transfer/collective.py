@@ -11,13 +11,20 @@ touch the default process group a training backend may use. Its members are fixe
 from __future__ import annotations
 
 import datetime
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from relax_core.weight_transfer.channel import Channel, Layout, plan_buckets
+from relax_core.weight_transfer.channel import Channel, Layout, Transport, plan_buckets
+
+if TYPE_CHECKING:
+    from relax_core.weight_transfer import WeightTransfer
+
+log = logging.getLogger("relax")
 
 
 def collective_backend(members: Sequence[tuple[str, Sequence[str]]]) -> str:
@@ -126,3 +133,22 @@ class WeightSyncGroup(Channel):
     def close(self) -> None:
         self.pg = None
         self._store = None
+
+
+class CollectiveTransport(Transport):
+    name = "collective"
+    channel = WeightSyncGroup
+    fixed_members = True
+
+    def spec(self, transfer: WeightTransfer, set_name: str, consumers: list[Any]) -> SyncSpec:
+        from relax_core import handles
+
+        source = transfer.source.actors[0]
+        host, port = handles.get(source.free_address.remote())
+        # from what the members were given, not from the driver's devices
+        reports = handles.get([m.device_report.remote() for m in [source, *consumers]])
+        backend = collective_backend(reports)
+        log.info("weight broadcast group %s: %s over %s", set_name, backend, reports)
+        return SyncSpec(
+            set_name, host, port, len(consumers) + 1, transfer.layout, transfer.bucket_mb, backend
+        )

@@ -7,10 +7,14 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from relax_core.weight_transfer.channel import Channel
+from relax_core.weight_transfer.channel import Channel, Transport
+
+if TYPE_CHECKING:
+    from relax_core.weight_transfer import WeightTransfer
 
 
 @dataclass
@@ -48,3 +52,12 @@ class DiskChannel(Channel):
         for folder in self.folders:
             shutil.rmtree(folder, ignore_errors=True)
         self.folders.clear()
+
+
+class DiskTransport(Transport):
+    name = "disk"
+    channel = DiskChannel
+    reads_payload = True
+
+    def spec(self, transfer: WeightTransfer, set_name: str, consumers: list[Any]) -> DiskSpec:
+        return DiskSpec(f"{transfer.run_dir}/rollout_weights/{set_name}", transfer.model_path)

@@ -9,10 +9,14 @@ user option because it cannot work otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from relax_core.weight_transfer.channel import Channel
+from relax_core.weight_transfer.channel import Channel, Transport
+
+if TYPE_CHECKING:
+    from relax_core.weight_transfer import WeightTransfer
 
 # channel key -> the newest state dict the source left for consumers in this process
 _LEFT: dict[str, dict[str, torch.Tensor]] = {}
@@ -36,3 +40,12 @@ class InProcessChannel(Channel):
     def close(self) -> None:
         if self.rank == 0:
             _LEFT.pop(self.key, None)
+
+
+class InProcessTransport(Transport):
+    name = "in_process"
+    channel = InProcessChannel
+    user_option = False
+
+    def spec(self, transfer: WeightTransfer, set_name: str, consumers: list[Any]) -> InProcessSpec:
+        return InProcessSpec(f"{transfer.tag}-{set_name}")

@@ -12,10 +12,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from relax_core.weight_transfer.channel import Channel, Layout, nbytes
+from relax_core.weight_transfer.channel import Channel, Layout, Transport, nbytes
+
+if TYPE_CHECKING:
+    from relax_core.weight_transfer import WeightTransfer
 
 SHM_ROOT = Path("/dev/shm")
 
@@ -79,3 +83,16 @@ class SharedMemoryChannel(Channel):
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
+
+
+class SharedMemoryTransport(Transport):
+    name = "shared_memory"
+    channel = SharedMemoryChannel
+
+    def spec(self, transfer: WeightTransfer, set_name: str, consumers: list[Any]) -> SharedMemorySpec:
+        remove_orphans()
+        return SharedMemorySpec(f"{SHM_ROOT}/{transfer.tag}-{set_name}", transfer.layout)
+
+    def close(self, transfer: WeightTransfer) -> None:
+        for path in SHM_ROOT.glob(f"{transfer.tag}-*"):  # the files outlive a killed source
+            path.unlink(missing_ok=True)

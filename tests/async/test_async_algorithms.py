@@ -106,9 +106,9 @@ def test_dynamic_sampling_rollout_fills_slots_with_spread_groups_or_masked_fille
     tok = load_tokenizer(str(model))
     prompts = [PromptRecord(i, tok(f"sort {i}3:").input_ids, f"sort {i}3:", label="3") for i in range(3)]
     first = rollout.produce(1, prompts, [5, 6, 7], last_round=False)
-    assert first["filled"] == [] and first["kept_groups"] == 0 and bus.partitions() == []
+    assert first.filled == [] and first.kept_groups == 0 and bus.partitions() == []
     last = rollout.produce(1, prompts, [6, 7], last_round=True)
-    assert last["filled"] == [6, 7] and last["kept_groups"] == 0
+    assert last.filled == [6, 7] and last.kept_groups == 0
     keys = bus.ready(partition_name(1), SAMPLE_FIELDS)
     assert keys == [f"{p:07d}" for p in range(24, 32)]  # slot g holds positions 4g .. 4g+3
     rows = bus.get(partition_name(1), keys, ["loss_mask", "response_ids"])

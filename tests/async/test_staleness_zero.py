@@ -34,3 +34,23 @@ def test_rollout_at_staleness_zero_draws_colocates_tokens_whatever_the_chunk_siz
             streamed.shutdown()
     rows = bus.get(partition_name(1), bus.ready(partition_name(1), SAMPLE_FIELDS), ["response_ids"])
     assert [torch.as_tensor(r).tolist() for r in rows["response_ids"]] == [s.response_ids for s in samples]
+
+
+def test_chunks_per_engine_call() -> None:
+    """Prompts per engine call: one call at staleness 0; else the configured chunk, whose default is 4 for
+    single-turn generation and the whole step for episodes (each chunk would wait on its slowest tool)."""
+    from types import SimpleNamespace
+
+    from relax_core.databus.stages import BusProducer
+
+    def chunk(max_staleness: int, configured: int | None, episodes: bool) -> int:
+        producer = BusProducer()
+        producer.cfg = SimpleNamespace(
+            mode=SimpleNamespace(max_staleness=max_staleness, rollout_chunk_prompts=configured)
+        )
+        producer.plays_episodes = episodes
+        return producer.chunk_prompts(16)
+
+    assert [chunk(0, c, e) for c in (None, 2) for e in (False, True)] == [16] * 4
+    assert [chunk(1, None, False), chunk(1, None, True)] == [4, 16]
+    assert [chunk(1, 2, True), chunk(1, 0, False)] == [2, 16]

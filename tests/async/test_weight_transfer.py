@@ -120,7 +120,7 @@ def test_every_strategy_delivers_exact_versions(ray_cluster, tmp_path, strategy)
         for actor in (source, *consumers):
             ray.kill(actor)
     if strategy == "shared_memory":
-        assert not list(Path("/dev/shm").glob(f"{transfer._tag}-*"))  # no file left behind
+        assert not list(Path("/dev/shm").glob(f"{transfer.tag}-*"))  # no file left behind
 
 
 @pytest.fixture(scope="module")

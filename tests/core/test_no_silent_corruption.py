@@ -46,9 +46,7 @@ def test_rollout_scores_an_out_of_range_reward_as_a_counted_error(make_cfg, tiny
     assert "reward.max_abs=1e+06" in samples[0].metadata["reward_error"]
     assert "reward_error" not in prompts[0].metadata  # the prompt's shared dict is left alone
     # mode=async's step metrics quote an example error too, for the TrainingGuard's stop message
-    from relax_core.modes.asynchronous import part_samples  # imports Ray
-
-    example = reward_metrics(part_samples([part]))[ERROR_EXAMPLE]
+    example = reward_metrics(part.reward_samples())[ERROR_EXAMPLE]
     assert re.fullmatch(r"sample \d+:\d+: reward 1e\+300 is outside .*reward\.max_abs=1e\+06.*", example)
 
 

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
 from relax_core.config import ModelConfig, RolloutConfig
 from relax_core.engines import build_engine
-from relax_core.engines.base import GenerationRequest, SamplingParams, default_memory_fraction
+from relax_core.engines.base import EngineSetup, GenerationRequest, SamplingParams, default_memory_fraction
 from relax_core.engines.server_process import group_members
 from relax_core.engines.vllm import (
     VLLMEngine,
@@ -226,7 +226,7 @@ def test_moe_weights_reach_both_tensor_parallel_ranks(moe_dir: Path) -> None:
         engine="vllm", dtype="auto", tensor_parallel_size=2, memory_fraction=None, kv_cache_mib=16,
         max_prompt_len=24, max_new_tokens=6, num_threads=1,
     )  # fmt: skip
-    engine = VLLMEngine.from_config(str(moe_dir), 0, rollout)
+    engine = VLLMEngine.from_config(EngineSetup(str(moe_dir), 0, rollout))
     try:
         tok = load_tokenizer(str(moe_dir))
         model = load_causal_lm(str(moe_dir)).eval()

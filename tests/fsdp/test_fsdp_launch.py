@@ -110,7 +110,7 @@ def test_async_fsdp_ppo_kl_at_staleness_zero_takes_the_colocate_steps(ppo_kl: Pa
         same = colocate[row["step"]]
         assert row["staleness/max"] == 0
         for key in ("reward/mean", "critic/values_mean", "critic/vf_loss", "kl", "loss"):
-            assert row[key] == pytest.approx(same[key], rel=1e-4, abs=1e-6), (row["step"], key)
+            assert row[key] == same[key], (row["step"], key, row[key], same[key])
 
 
 def _compose(overrides: list[str]):

@@ -207,6 +207,25 @@ def test_kv_cache_token_budget_sizes_the_torch_engines_cache_by_hand() -> None:
         validate(cfg)
 
 
+def test_managed_judge_engines_are_processes_of_their_own_by_hand() -> None:
+    """reward.judge: each judge engine is a CPU process holding the judge's weights and a dense KV cache of
+    its rows (a policy row plus the verdict's tokens); on a GPU run it is a note, off the GPUs' table."""
+    cfg = _cfg(["reward=genrm", "reward.judge.model=tiny_qwen3", "reward.judge.num_engines=2"])
+    report = estimate(cfg)
+    judges = [d for d in report.devices if d.name.startswith("process judge engine")]
+    assert [d.name for d in judges] == ["process judge engine 0", "process judge engine 1"]
+    assert cfg.model.name == "tiny_qwen3"
+    arch = report.arch  # the judge is built from the policy's spec here
+    rows = min(cfg.reward.judge.max_running, cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
+    tokens = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens + 16  # genrm's default verdict length
+    items = judges[0].roles[0].items
+    assert items["engine_weights"] == arch.params * 4
+    assert items["kv_cache"] == 2 * arch.num_layers * rows * tokens * arch.kv_dim * 4
+    gpu = estimate(_cfg(["experiment=dapo_math_qwen3_4b", "reward=genrm", "reward.judge.model=tiny_qwen3"]))
+    assert not any("judge" in d.name for d in gpu.devices)
+    assert any(n.startswith("1 judge engine(s) on the CPU") for n in gpu.notes)
+
+
 def test_chunked_logprobs_size_the_logit_buffers_by_hand() -> None:
     from relax_core.algorithms.logprobs import CHUNK_BYTES
 

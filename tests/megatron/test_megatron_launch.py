@@ -226,7 +226,7 @@ def test_async_tensor_parallel_at_staleness_zero_takes_the_colocate_steps(
 ) -> None:
     """mode=async with trainer=megatron: both TP ranks stream the same rows of a step from the bus and rank 0
     publishes the whole model. At max_staleness=0 every step is sampled by the version it trains from, so
-    the run takes colocate's steps: same samples (rewards), same loss and gradient up to float rounding."""
+    the run takes colocate's steps: same samples (rewards), same loss and gradient norm."""
     colocate_sum, colocate = _run(tmp_path, "colocate", [*TP2_RUN, "mode=colocate"])
     with caplog.at_level(logging.INFO, logger="relax"):
         # rollout_chunk_prompts=2: chunks are ignored at staleness 0, else 2 engine calls draw other tokens
@@ -241,5 +241,4 @@ def test_async_tensor_parallel_at_staleness_zero_takes_the_colocate_steps(
     for ra, rb in zip(a, b, strict=True):
         assert rb["staleness/max"] == 0 and rb["off_policy/train_rollout_abs_diff"] < 1e-4, rb
         assert rb["reward/mean"] == ra["reward/mean"] and rb["reward/std"] == ra["reward/std"], rb["step"]
-        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4, abs=1e-6)
-        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+        assert (rb["loss"], rb["grad_norm"]) == (ra["loss"], ra["grad_norm"]), rb["step"]

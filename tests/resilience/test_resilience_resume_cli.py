@@ -40,9 +40,10 @@ def _rewards(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["reward/mean"] for r in read_metrics(run_dir) if "reward/mean" in r}
 
 
-# async at staleness 0 follows colocate's schedule (whole rollout batches: no chunks), so its resumed curve
-# must equal colocate's (the checkpoint holds the data position and engine RNG of the first step not handed out)
-ASYNC_AT_ZERO = ["mode=async", "mode.max_staleness=0", "mode.rollout_chunk_prompts=0"]
+# async at staleness 0 follows colocate's schedule (a step is one engine call, the Actor takes its micro-batches
+# with colocate's weights), so its resumed curve must equal colocate's, float rounding included (the
+# checkpoint holds the data position and engine RNG of the first step not handed out)
+ASYNC_AT_ZERO = ["mode=async", "mode.max_staleness=0"]
 
 
 def test_async_killed_and_rerun_takes_the_uninterrupted_colocate_runs_steps(tmp_path: Path) -> None:
@@ -99,5 +100,4 @@ def test_async_killed_and_rerun_takes_the_uninterrupted_colocate_runs_steps(tmp_
     for ra, rb in zip(colocate, steps, strict=True):
         assert rb["staleness/max"] == 0
         assert rb["reward/mean"] == ra["reward/mean"] and rb["reward/std"] == ra["reward/std"], ra["step"]
-        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4, abs=1e-6)
-        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+        assert (rb["loss"], rb["grad_norm"]) == (ra["loss"], ra["grad_norm"]), ra["step"]

@@ -1,5 +1,6 @@
 """The managed GenRM judge (relax_core/judge.py): a tiny random judge engine process Relax starts, scores
-through its router, counts garbage and a judge that is down, and is restarted after its process is killed."""
+through its router, counts garbage and a judge that is down, and is restarted after its process is killed
+and after it hangs."""
 
 from __future__ import annotations
 
@@ -39,13 +40,16 @@ def score(url: str, **parser: str) -> list[tuple[float, dict[str, float]]]:
 def test_managed_judge_scores_counts_garbage_and_restarts(tmp_path: Path) -> None:
     cfg = RelaxConfig(output_dir=str(tmp_path))
     cfg.reward = RewardConfig(
-        name="genrm", judge=JudgeConfig(model="tiny_qwen3", health_interval_s=0.2, wait_s=0.5)
+        name="genrm",
+        judge=JudgeConfig(model="tiny_qwen3", health_interval_s=0.2, wait_s=0.5, hang_timeout_s=2.0),
     )
     judge = start_judge(cfg)
     assert judge is not None
     url = cfg.reward.kwargs["url"]
     pid = judge.engines[0].process.pid
     try:
+        # the judge sees no GPU unless reward.judge.devices names one: it never shares a role's
+        assert b"\0CUDA_VISIBLE_DEVICES=\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
         # a random judge answers garbage: no verdict, scored 0 and counted
         garbage = score(url)
         assert [r for r, _ in garbage] == [0.0] * 8
@@ -56,16 +60,27 @@ def test_managed_judge_scores_counts_garbage_and_restarts(tmp_path: Path) -> Non
         os.killpg(pid, signal.SIGKILL)
         down = score(url, verdict_pattern="^", correct_verdict="")
         assert all(r == 0.0 and ex["judge_errors"] == 1.0 for r, ex in down)  # down: a counted 0
-        deadline = time.monotonic() + 120
-        while not (judge.restarts and judge.router.keys(routable_only=True)):
-            assert time.monotonic() < deadline, "the killed judge engine was not restarted"
-            time.sleep(0.2)
+        wait_until_serving_again(judge, restarts=1)
         assert [r for r, _ in score(url, verdict_pattern="^", correct_verdict="")] == [1.0] * 8
         restarted = judge.engines[0].process.pid
         assert restarted != pid
+
+        os.killpg(restarted, signal.SIGSTOP)  # alive, but answers nothing: hung
+        wait_until_serving_again(judge, restarts=2)
+        assert not group_members(restarted)  # the hung engine was killed, not left stopped
+        assert judge.metrics() == {"judge/restarts": 2.0}
+        assert [r for r, _ in score(url, verdict_pattern="^", correct_verdict="")] == [1.0] * 8
+        last = judge.engines[0].process.pid
     finally:
         judge.stop()
-    assert not group_members(restarted)
+    assert not group_members(last)
+
+
+def wait_until_serving_again(judge, restarts: int) -> None:
+    deadline = time.monotonic() + 120
+    while not (judge.restarts >= restarts and judge.router.keys(routable_only=True)):
+        assert time.monotonic() < deadline, f"the judge engine was not restarted (restart {restarts})"
+        time.sleep(0.2)
 
 
 def test_slow_or_absent_judge_scores_a_counted_zero(http_server) -> None:
@@ -83,3 +98,17 @@ def test_slow_or_absent_judge_scores_a_counted_zero(http_server) -> None:
         check_reward_config(
             RewardConfig(name="genrm", kwargs={"judge": "x", "verdict_pattern": "("}), "label"
         )
+
+
+def test_an_eval_set_genrm_without_a_judge_asks_the_runs() -> None:
+    from relax_core.evaluation import with_run_judge
+
+    run = RewardConfig(
+        name="genrm", kwargs={"url": "http://127.0.0.1:9"}, judge=JudgeConfig(model="tiny_qwen3")
+    )
+    assert with_run_judge(RewardConfig(name="genrm"), run).kwargs["url"] == "http://127.0.0.1:9"
+    own = RewardConfig(name="genrm", kwargs={"url": "http://127.0.0.1:8"})
+    assert with_run_judge(own, run) is own  # a set that names its judge keeps it
+    digits = RewardConfig(name="digits")
+    assert with_run_judge(digits, run) is digits
+    assert with_run_judge(RewardConfig(name="genrm"), RewardConfig(name="digits")).kwargs == {}
