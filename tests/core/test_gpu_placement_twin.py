@@ -19,7 +19,7 @@ from relax_core.placement import reserve
 from relax_core.ray_groups import RoleGroup, SharedProcesses
 from relax_core.validation import validate
 from relax_core.weight_transfer import WeightTransfer
-from relax_core.weight_transfer.base import WeightReceiver, WeightSource
+from relax_core.weight_transfer.base import TRANSPORTS, WeightReceiver, WeightSource
 
 pytestmark = pytest.mark.gpu_twin
 
@@ -155,7 +155,7 @@ def test_roles_see_the_gpus_they_were_given_and_the_backend_follows(fake_gpus) -
     transfer = WeightTransfer("collective", actor, WeightTransferConfig(), ".", ".")
 
     def backend(consumers: list) -> str:
-        return transfer._spec("collective", "policy", len(consumers), consumers).backend
+        return TRANSPORTS["collective"].spec(transfer, "policy", consumers).backend
 
     assert backend([rollout.actors[1], engine.actors[0]]) == "nccl"  # each on a GPU of its own
     assert backend(rollout.actors) == "gloo"  # rollout 0 shares the Actor's GPU
