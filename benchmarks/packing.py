@@ -32,6 +32,7 @@ import torch
 
 from relax_core.algorithms.logprobs import CHUNK_BYTES, response_logprobs_and_entropy
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
+from relax_core.backends.base import batch_to_device
 from relax_core.backends.torch_backend import TorchBackend
 from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relax_core.samples import Sample, TrainBatch
@@ -90,7 +91,7 @@ def logprob_peak(chunk_bytes: int, device: str) -> dict:
     rows = 8
     samples = [Sample(i, 0, [1], [5] * (positions // rows), [0.0] * (positions // rows), [1] * (positions // rows))
                for i in range(rows)]  # fmt: skip
-    batch = TrainBatch.from_samples(samples, pad_token_id=0)
+    batch = batch_to_device(TrainBatch.from_samples(samples, pad_token_id=0), torch.device(device))
     # drawn in bf16 directly: no fp32 temporary raises the high-water mark before the step
     logits = torch.empty(rows, positions // rows, vocab, device=device, dtype=torch.bfloat16)
     logits = logits.normal_().requires_grad_(True)
@@ -151,7 +152,10 @@ def main() -> None:
             )
     for name, chunk in (("plain", 2**40), ("chunked", CHUNK_BYTES)):
         cmd = [sys.executable, __file__, "--logprob-step", str(chunk), "--device", args.device]
-        result = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        child = subprocess.run(cmd, capture_output=True, text=True)
+        if child.returncode:
+            raise SystemExit(f"the {name} log-prob step failed:\n{child.stderr[-3000:]}")
+        result = json.loads(child.stdout)
         print(
             json.dumps({"bench": "logprob_memory", "variant": name, "device": args.device, **result}),
             flush=True,

@@ -236,7 +236,7 @@ def start_judge(cfg: Any) -> JudgeGroup | None:
     """The run's judge group when ``reward.judge`` names a model (``reward.kwargs.url`` then points at its
     router, for the reward workers the roles start next); None otherwise."""
     judge = cfg.reward.judge
-    if judge is None or not (judge.path or judge.model):
+    if judge is None or not judge.managed:
         return None
     if judge.num_engines < 1:
         raise RelaxUserError(f"reward.judge.num_engines={judge.num_engines}: give 1 or more")

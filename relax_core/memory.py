@@ -147,16 +147,32 @@ class Arch:
         targets = set(target_modules)
         return rank * sum(count * (i + o) for name, i, o, count in self.linears() if name in targets)
 
-    def activation_elems(self) -> int:
-        """Elements one token leaves per layer for the backward: the residual stream and norm outputs,
-        q/k/v and the attention output, the MLP's gate, up, activation and product (the routed experts'
-        for MoE)."""
+    def activation_bytes(self, compute_bytes: int, residual_bytes: int, autocast: bool) -> int:
+        """Bytes one token leaves per decoder layer for the backward (counted with saved-tensor hooks on
+        Qwen3 layers, and matched on a GPU: docs/performance.md). Each RMSNorm keeps its input and its
+        normalised output at the residual stream's width (fp32 under autocast over fp32 weights); the
+        projections keep their inputs in the compute dtype, one copy per projection under autocast (each
+        casts its own), else one for q/k/v and one for gate/up; q and k are kept in fp32 by their norms
+        and three times in the compute dtype (with v: norm, rotary, attention), plus the attention's
+        log-sum-exp per head; the MLP keeps gate, up, activation and product (the routed experts' for
+        MoE, and the router's scores)."""
+        cb, h = compute_bytes, self.hidden_size
         mlp = (
             self.experts_per_token * self.moe_intermediate_size
             if self.num_experts
             else self.intermediate_size
         )
-        return 4 * self.hidden_size + 2 * self.q_dim + 2 * self.kv_dim + 4 * mlp + self.num_experts
+        norms = 4 * h * residual_bytes + (5 if autocast else 2) * h * cb
+        attention = (4 + 3 * cb) * (self.q_dim + self.kv_dim) + 4 * self.num_heads
+        return norms + attention + 4 * cb * mlp + cb * self.num_experts
+
+    def decode_weight_bytes(self, dtype_bytes: int) -> int:
+        """The torch engine's decode layout of a dense Qwen3 (engines/torch_engine.py ``_layer_weights``):
+        fused [q; k; v] and [gate; up] copies of those projections beside the model's own weights."""
+        if self.num_experts:
+            return 0
+        h = self.hidden_size
+        return self.num_layers * h * (self.q_dim + 2 * self.kv_dim + 2 * self.intermediate_size) * dtype_bytes
 
 
 def _tower_linears(cfg: dict[str, Any]) -> list[tuple[str, int, int, int]]:
@@ -237,10 +253,17 @@ class RoleMemory:
     # activations with the other gradient-checkpointing setting (trainable roles)
     other_activations: float | None = None
     checkpointing: bool = False
+    # items never held together with the activations and logits: the torch backend's gradients when a
+    # step is one micro-batch (set to None before the forward, made by the backward as it frees the graph)
+    apart: tuple[str, ...] = ()
 
     @property
     def total(self) -> float:
-        return sum(self.items.values())
+        held = sum(self.items.values())
+        if not self.apart:
+            return held
+        graph = self.items.get("activations", 0.0) + self.items.get("logits", 0.0)
+        return held - min(sum(self.items[k] for k in self.apart), graph)
 
 
 @dataclass
@@ -333,6 +356,8 @@ class MemoryReport:
                 if role.other_activations is not None:
                     other = "without" if role.checkpointing else "with"
                     parts += f" (activations {other} checkpointing: {role.other_activations / GB:.2f})"
+                if role.apart:  # the total counts the larger of the two
+                    parts += f"; {', '.join(role.apart)} never held with the activations (one micro-batch)"
                 lines.append(f"  {role.role:<28} {role.total / GB:8.2f}  {parts}")
         lines += [f"note: {n}" for n in self.notes]
         if self.capacity is None:
@@ -416,15 +441,39 @@ def _lora_activation_bytes(arch: Arch, lora: Any, cb: int) -> float:
 
 
 def _activations(
-    cfg: Any, arch: Arch, rows: float, cb: int, checkpointing: bool, tp: int, extra: float = 0.0
+    cfg: Any,
+    arch: Arch,
+    rows: float,
+    dtypes: tuple[int, int, bool],
+    checkpointing: bool,
+    tp: int,
+    extra: float = 0.0,
 ) -> float:
-    """``extra``: bytes per token and layer beyond the layer's own (LoRA's)."""
+    """``dtypes``: compute and residual-stream bytes and whether autocast casts (``_dtypes``); ``extra``:
+    bytes per token and layer beyond the layer's own (LoRA's)."""
     prompt, response = _seq(cfg)
     tokens = rows * (prompt + response)
-    per_layer = arch.activation_elems() * cb / tp + extra
+    per_layer = arch.activation_bytes(*dtypes) / tp + extra
     if checkpointing:  # layer inputs kept, one layer recomputed at a time
-        return tokens * (arch.num_layers * arch.hidden_size * cb + per_layer)
+        return tokens * (arch.num_layers * arch.hidden_size * dtypes[1] + per_layer)
     return tokens * arch.num_layers * per_layer
+
+
+def _one_micro_batch(cfg: Any, rows: float) -> bool:
+    """Whether a rank's rows of an optimizer step fit in one micro-batch of ``rows``."""
+    from relax_core.placement import data_parallel_size
+
+    r = cfg.rollout
+    return math.ceil(r.batch_size * r.n_samples_per_prompt / data_parallel_size(cfg.trainer)) <= rows
+
+
+def _dtypes(cfg: Any, cb: int, trainable: bool) -> tuple[int, int, bool]:
+    """Compute bytes, residual-stream bytes and autocast of a trainer role's forward: the torch backend
+    trains fp32 weights under a ``model.dtype`` autocast (fp32 residual stream, a cast per projection);
+    FSDP's mixed precision and megatron run the forward on weights of that dtype; frozen roles hold it."""
+    t = cfg.trainer
+    autocast = trainable and cb < 4 and t.backend == "torch" and not t.fsdp
+    return cb, 4 if autocast else cb, autocast
 
 
 def _logits(cfg: Any, arch: Arch, rows: float, cb: int, backward: bool, packed: bool = False) -> float:
@@ -464,6 +513,7 @@ def trainer_memory(cfg: Any, arch: Arch, role: str, trainable: bool, rows: int |
     if budget_rows:
         how += f", {t.max_tokens_per_micro_batch} tokens/micro-batch" + (" packed" if packed else "")
     ckpt = bool(m.gradient_checkpointing)
+    apart: tuple[str, ...] = ()
     if trainable:
         lora = _lora(cfg, role)
         # LoRA: the frozen base in fp32 beside fp32 adapters, sharded alike; only the adapters train
@@ -480,23 +530,31 @@ def trainer_memory(cfg: Any, arch: Arch, role: str, trainable: bool, rows: int |
             "weights": weights,
             "gradients": trained * 4,
             "optimizer": trained * 8,
-            "activations": _activations(cfg, arch, rows, cb, ckpt, tp, extra),
+            "activations": _activations(cfg, arch, rows, _dtypes(cfg, cb, True), ckpt, tp, extra),
         }
-        other = _activations(cfg, arch, rows, cb, not ckpt, tp, extra)
+        other = _activations(cfg, arch, rows, _dtypes(cfg, cb, True), not ckpt, tp, extra)
         if lora:
             how += f", LoRA r{lora.rank}: {adapters / 1e6:,.1f} M trained"
+        if not megatron and _one_micro_batch(cfg, rows):  # megatron's gradient buffers persist
+            apart = ("gradients",)
     else:
         items = {
             "weights": params * cb,
             # no graph kept: one layer's working set over the micro-batch
-            "activations": _activations(cfg, arch, rows, cb, True, tp) / max(arch.num_layers, 1),
+            "activations": _activations(cfg, arch, rows, _dtypes(cfg, cb, False), True, tp)
+            / max(arch.num_layers, 1),
         }
         other = None
     if role.startswith("critic"):
         items["logits"] = 0.0  # a scalar value head
     else:
         items["logits"] = _logits(cfg, arch, rows, cb, trainable, packed)
-    return RoleMemory(f"{role} ({how})", items, other, ckpt)
+    return RoleMemory(f"{role} ({how})", items, other, ckpt, apart)
+
+
+def kv_cache_bytes(arch: Arch, tokens: int, dtype_bytes: int) -> int:
+    """The torch engine's dense KV cache for ``tokens`` token slots: keys and values of every layer."""
+    return 2 * arch.num_layers * tokens * arch.kv_dim * dtype_bytes
 
 
 def engine_memory(cfg: Any, arch: Arch, index: int, gpu: bool, capacity: float | None) -> RoleMemory:
@@ -518,17 +576,45 @@ def engine_memory(cfg: Any, arch: Arch, index: int, gpu: bool, capacity: float |
         # the server reserves its fraction; the weights come out of it, the KV cache gets the rest
         return RoleMemory(role, {"engine_weights": weights, "reserved": max(reserved - weights, 0.0)})
     prompt, response = _seq(cfg)
-    samples = math.ceil(r.batch_size * r.n_samples_per_prompt / r.num_engines)
+    # an evaluation's sampled pass can ask for more rows at once than a training step (128 prompts x 8)
+    eval_samples, eval_response = _eval_demand(cfg)
+    response = max(response, eval_response)
+    samples = math.ceil(max(r.batch_size * r.n_samples_per_prompt, eval_samples) / r.num_engines)
     slots = max(min(r.max_running, samples), 8)
     length = -(-(prompt + response) // 64) * 64
     tokens = slots * length
     if r.kv_cache_tokens is not None:  # the engine admits only the rows of this many tokens
         tokens = min(tokens, r.kv_cache_tokens)
         slots = min(slots, max(r.kv_cache_tokens // (prompt + response), 1))
-    kv = 2 * arch.num_layers * tokens * arch.kv_dim * eb
+    kv = kv_cache_bytes(arch, tokens, eb)
     # per decode step: fp32 logits of every slot, softmax and sampling scratch
     sampling = slots * arch.vocab_size * 4 * 3
-    return RoleMemory(role, {"engine_weights": weights, "kv_cache": float(kv), "sampling": float(sampling)})
+    fused = arch.decode_weight_bytes(eb) if _decodes_fused(cfg.model.family, cfg.modality.name) else 0
+    return RoleMemory(
+        role,
+        {"engine_weights": weights + fused, "kv_cache": float(kv), "sampling": float(sampling)},
+    )
+
+
+def _eval_demand(cfg: Any) -> tuple[int, int]:
+    """The most samples one evaluation pass asks the engines for at once (a set's prompts, ``limit`` or
+    ``data.num_eval``, times its sampled ``n_samples``, or one greedy response each), and the longest
+    response budget of the sets (evaluation runs before RL and after the last step whatever
+    ``trainer.eval_every``)."""
+    samples = response = 0
+    for fields in (cfg.eval.sets or {}).values():
+        get = fields.get if isinstance(fields, dict) else lambda key, f=fields: getattr(f, key, None)
+        n = max(get("n_samples") or 0, 1 if get("greedy") is not False else 0)
+        if n:
+            samples = max(samples, (get("limit") or cfg.data.num_eval) * n)
+            response = max(response, get("max_new_tokens") or 0)
+    return samples, response
+
+
+def _decodes_fused(family: str, modality: str) -> bool:
+    """Whether the torch engine decodes on its fused layout (torch_engine.fast_path_supported: dense Qwen3
+    text models; not imported, that module loads transformers)."""
+    return family == "qwen3" and modality == "text"
 
 
 def judge_memory(cfg: Any) -> RoleMemory | None:
@@ -536,7 +622,7 @@ def judge_memory(cfg: Any) -> RoleMemory | None:
     a dense KV cache of up to ``reward.judge.max_running`` rows, each a policy row plus the verdict's tokens
     (the template's own words are not counted); None without a managed judge."""
     judge = cfg.reward.judge
-    if judge is None or not (judge.path or judge.model):
+    if judge is None or not judge.managed:
         return None
     from types import SimpleNamespace
 
@@ -551,8 +637,9 @@ def judge_memory(cfg: Any) -> RoleMemory | None:
     prompt, response = _seq(cfg)
     verdict = int((cfg.reward.kwargs.get("sampling_params") or {}).get("max_new_tokens", 16))
     rows = min(judge.max_running, cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
-    kv = 2 * arch.num_layers * rows * (prompt + response + verdict) * arch.kv_dim * eb
-    items = {"engine_weights": arch.params * eb, "kv_cache": float(kv), "runtime": CPU_RUNTIME_BYTES}
+    kv = kv_cache_bytes(arch, rows * (prompt + response + verdict), eb)
+    weights = arch.params * eb + arch.decode_weight_bytes(eb)  # a judge is a dense Qwen3 text model
+    items = {"engine_weights": weights, "kv_cache": float(kv), "runtime": CPU_RUNTIME_BYTES}
     return RoleMemory(f"judge engine ({judge.dtype})", items)
 
 

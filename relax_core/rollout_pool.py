@@ -364,13 +364,14 @@ class RolloutPool(RoleGroup):
     # ------------------------------------------------------------------ weights
     def attach(self, transfer) -> None:
         """The run's :class:`~relax_core.weight_transfer.WeightTransfer`; its ``policy`` set is the launch
-        engines. Scaled engines get each version through ``deliver``; external servers reload an HF folder."""
-        from relax_core.weight_transfer.disk import DiskChannel, DiskSpec
+        engines. Scaled engines get each version through ``deliver``; external servers reload an HF folder
+        that the ``disk`` transport's source end (rank 0) writes here, in the driver."""
+        from relax_core.weight_transfer.base import transport
+        from relax_core.weight_transfer.disk import DiskSpec
 
         self.transfer = transfer
-        self._disk = DiskChannel(
-            DiskSpec(str(Path(self.cfg.output_dir) / "rollout_weights"), self.model_path)
-        )
+        spec = DiskSpec(str(Path(self.cfg.output_dir) / "rollout_weights"), self.model_path)
+        self._disk = transport("disk").open(spec, 0)
         self._disk_path: tuple[int, str] | None = None
 
     def _disk_folder(self, version: int) -> str:

@@ -38,6 +38,11 @@ class JudgeConfig:
     # how long a judge request waits at the router for an engine that is up before it is refused (503)
     wait_s: float = 5.0
 
+    @property
+    def managed(self) -> bool:
+        """The run starts judge engines (a model is named), rather than calling ``reward.kwargs.url``."""
+        return bool(self.path or self.model)
+
 
 @dataclass
 class RewardConfig:

@@ -43,6 +43,9 @@ COMMON = [
     "trainer.sft_warmup_steps=0",
     "trainer.eval_every=0",
     "trainer.export_final_model=false",
+    # the sort task's prompts are at most 11 tokens: the doctor sizes every row at this limit, and the
+    # default (1024) would size activations no 8-step check needs (the launcher refuses what cannot fit)
+    "data.max_prompt_len=16",
 ]
 ON_DEVICE = {
     # 16 prompts x 8 samples x up to 64 new tokens a step (a random-init model rarely stops early); the
@@ -90,6 +93,22 @@ def run(overrides: list[str]) -> int:
 
 def mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def doctor(overrides: list[str]) -> dict[str, Any]:
+    """The memory doctor's figures for the same overrides: GPU 0's total and each role's, in GB."""
+    from omegaconf import OmegaConf
+
+    from relax_core.memory import estimate
+    from relax_launch.cli import compose_config
+
+    report = estimate(OmegaConf.to_object(compose_config(overrides)))
+    gpu = report.devices[0]
+    return {
+        "doctor_gb": round(gpu.total / 1e9, 2),
+        "doctor_roles_gb": {r.role: round(r.total / 1e9, 2) for r in gpu.roles},
+        "doctor_fits": report.fits,
+    }
 
 
 def report(run_dir: Path, status: int, wall_s: float) -> dict[str, Any]:
@@ -151,9 +170,10 @@ def main() -> int:
         f"hydra.run.dir={run_dir}",
         *sys.argv[1:],
     ]
+    predicted = doctor([o for o in overrides if not o.startswith("hydra.")])
     start = time.perf_counter()
     status = run(overrides)
-    result = report(run_dir, status, time.perf_counter() - start)
+    result = report(run_dir, status, time.perf_counter() - start) | predicted
     keep_outputs(run_dir, result)
     print(json.dumps(result), flush=True)
     return 0 if result["ok"] else 1

@@ -20,15 +20,20 @@ WHEELS=.gpu_wheels
 # their dependencies); the versions this repository's CPU venv runs
 PURE=(hydra-core==1.3.8 omegaconf==2.3.1)
 ANTLR=antlr4-python3-runtime==4.9.3 # OmegaConf's pin; on PyPI as an sdist only: built into a wheel here
+# megatron-core for the GPU tests of the megatron backend (scripts/gpu_suite.sh): a CPython 3.12 build
+MEGATRON=megatron-core==0.16.1
 
 if [[ ${1:-} == --prepare ]]; then
     rm -rf "$WHEELS" && mkdir -p "$WHEELS"
     "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation py \
         --abi none --platform any -d "$WHEELS" "${PURE[@]}"
     "$PY" -m pip wheel --quiet --no-deps -w "$WHEELS" "$ANTLR"
+    "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 -d "$WHEELS" "$MEGATRON"
     for wheel in "$WHEELS"/*; do
-        # pure Python only: it must install on the GPU machine's Python 3.12 whatever made it here
-        [[ $wheel == *-py3-none-any.whl ]] || { echo "not a py3-none-any wheel: $wheel" >&2; exit 1; }
+        # pure Python or CPython 3.12 on x86-64 only: it must install on the GPU machine's Python 3.12
+        [[ $wheel == *-py3-none-any.whl || $wheel == *-cp312-cp312-*x86_64*.whl ]] ||
+            { echo "not a wheel for the GPU machine's Python 3.12: $wheel" >&2; exit 1; }
     done
     size_kb=$(du -sk "$WHEELS" | cut -f1)
     ((size_kb < 64 * 1024)) || { echo "$WHEELS is ${size_kb} KiB: over the 64 MiB a device run carries" >&2; exit 1; }

@@ -448,11 +448,26 @@ class MegatronBackend(TrainingBackend):
             self.optimizer.load_state_dict(state["optimizer"])
         if self._megatron_optimizer():  # pragma: no cover - needs CUDA
             self.optimizer.reload_model_params()
-            self.optimizer.load_parameter_state(str(self._rank_file(path, "_optimizer_params")))
+            self._load_parameter_state(str(self._rank_file(path, "_optimizer_params")))
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self._steps = state["steps"]
         set_rng_state(state["rng"])
+
+    def _load_parameter_state(self, filename: str) -> None:  # pragma: no cover - needs CUDA
+        """The distributed optimizer's main params and moments from ``filename``. Over torch's Adam (no
+        Apex/Transformer Engine) each parameter's state also holds ``step``, which that file lacks (the state
+        dict loaded before restored it): it is set aside while the file's tensors are copied in, under
+        no_grad (they land in views of the main params, leaves that require grad)."""
+        inner = [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+        steps = [{p: s.pop("step") for p, s in o.state.items() if "step" in s} for o in inner]
+        try:
+            with torch.no_grad():
+                self.optimizer.load_parameter_state(filename)
+        finally:
+            for optimizer, kept in zip(inner, steps):
+                for param, step in kept.items():
+                    optimizer.state[param]["step"] = step
 
     def export_hf(self, path: str) -> None:
         """Config, safetensors (checkpoint names) and tokenizer; rank 0 writes, all ranks gather."""

@@ -157,7 +157,9 @@ class MicroStream:
         self.totals: tuple[float, int] | None = None
         self.need, self.extras, self.algo, self.backend = need, extras, algo, backend
         self.size = len(keys)
-        self.total_weight = 0.0
+        # streaming only: W, the un-normalised weights of every rank's micro-batches, once the last one went
+        # through (whole_first needs none: :attr:`totals` weighs each micro-batch as it goes)
+        self.total_weight: float | None = None
         self.wait_s = 0.0
         self.versions: list[int] = []
         self.bus_error: RayActorError | None = None
@@ -173,7 +175,7 @@ class MicroStream:
         if self.whole_first:
             yield from self._whole_batch()
             return
-        remaining = list(self.keys)
+        remaining, weight = list(self.keys), 0.0
         while remaining:
             t = time.perf_counter()
             want = min(self.size, len(remaining))
@@ -184,11 +186,11 @@ class MicroStream:
             chosen, fields = rows
             remaining = [k for k in remaining if k not in set(chosen)]
             micro = batch_from_rows(fields, self.pad, self.extras)
-            self.total_weight += micro_batch_weight(micro, 1.0, 1, self.algo)
+            weight += micro_batch_weight(micro, 1.0, 1, self.algo)
             self.versions += micro.policy_versions.tolist()
             yield micro
         # the denominator the whole-batch micro_batch_weight uses, over every rank's rows
-        (self.total_weight,) = self.backend.sum_over_ranks([self.total_weight])
+        (self.total_weight,) = self.backend.sum_over_ranks([weight])
         self.backend.scale_gradients(1.0 / max(self.total_weight, 1.0))
 
     def _whole_batch(self) -> Iterator[TrainBatch]:

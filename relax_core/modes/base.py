@@ -95,6 +95,8 @@ class Mode(abc.ABC):
 
     def start_judge(self) -> None:
         """``reward.judge``: start the judge engines first, so the reward workers get their URL."""
+        if self.cfg.reward.judge is None or not self.cfg.reward.judge.managed:
+            return  # relax_core.judge (and its HTTP server's packages) loads only for a managed judge
         from relax_core.judge import start_judge
 
         self.judge = start_judge(self.cfg)

@@ -137,7 +137,8 @@ def test_sampled_logprobs_match_the_training_backend(
     )
     # the same numbers straight from the shared log-prob function on a plain forward
     with torch.no_grad():
-        logits = backend.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        ids, mask = batch.input_ids.to(backend.device), batch.attention_mask.to(backend.device)
+        logits = backend.model(input_ids=ids, attention_mask=mask).logits.cpu()
     direct, _ = token_logprobs_and_entropy(logits, batch, temperature)
     assert torch.allclose(direct, batch.rollout_logprobs, atol=1e-4)
     if top_k == 5:  # only top-5 tokens may be drawn

@@ -59,7 +59,7 @@ def test_only_adapters_train_and_engines_get_base_plus_delta(tiny_model_dir: Pat
     assert set(lora.optimizer.state) == set(optimized)  # AdamW state for the adapters alone
     for name, p in lora.model.named_parameters():
         if not is_adapter(name):
-            assert p.grad is None and torch.equal(p, base[name]), name  # frozen and unchanged
+            assert p.grad is None and torch.equal(p.cpu(), base[name]), name  # frozen and unchanged
 
     merged = lora.state_dict()
     assert {n: t.shape for n, t in merged.items()} == {n: t.shape for n, t in base.items()}
@@ -67,8 +67,8 @@ def test_only_adapters_train_and_engines_get_base_plus_delta(tiny_model_dir: Pat
     assert isinstance(layer, LoRALinear) and layer.lora_B.abs().max() > 0
     delta = layer.lora_B @ layer.lora_A * (8 / 4)
     name = "model.layers.1.mlp.down_proj.weight"
-    torch.testing.assert_close(merged[name], base[name] + delta.detach(), rtol=0, atol=1e-6)
-    assert not torch.equal(merged[name], base[name])
+    torch.testing.assert_close(merged[name].cpu(), base[name] + delta.detach().cpu(), rtol=0, atol=1e-6)
+    assert not torch.equal(merged[name].cpu(), base[name])
     # an engine (or the Reference) loading the merged weights into the plain model scores as the LoRA model
     plain = TorchBackend(str(tiny_model_dir), LORA, ModelConfig(), trainable=False)
     plain.load_state_dict(merged)
@@ -133,7 +133,7 @@ def test_full_warm_start_trains_the_base_then_adapters_and_resumes_with_that_bas
     nll_step(run, batch)
     layer = run.model.model.layers[0].self_attn.q_proj
     assert not layer.lora_B.any()  # the warm-start moved the base only
-    assert not torch.equal(layer.weight, base["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(layer.weight.cpu(), base["model.layers.0.self_attn.q_proj.weight"])
     run.set_warm_start(False)
     run.reset_optimizer(1e-2)
     assert all(is_adapter(n) == p.requires_grad for n, p in run.model.named_parameters())

@@ -25,7 +25,7 @@ SHORT = [
     "trainer.export_final_model=false",
 ]
 # what the GPU machine of scripts/gpu_check.sh lacks (issue 41): cluster=in_process must run without them
-NOT_ON_GPU_MACHINE = ("ray", "mlflow", "vllm", "sglang", "megatron")
+NOT_ON_GPU_MACHINE = ("ray", "mlflow", "vllm", "sglang", "megatron", "fastapi", "uvicorn", "math_verify")
 # `python -m relax_launch` with those packages not installed, as importlib sees it (no finder finds them)
 WITHOUT = textwrap.dedent(
     f"""

@@ -56,7 +56,7 @@ def test_parameter_count_matches_transformers(fields: dict) -> None:
 
 
 def test_trainer_arithmetic_by_hand() -> None:
-    cfg = _cfg(["data.max_prompt_len=12", "rollout.max_new_tokens=4", "trainer.micro_batch_size=2"])
+    cfg = _cfg(SHORT)
     arch = arch_from_config(
         {
             "vocab_size": 10,
@@ -75,10 +75,20 @@ def test_trainer_arithmetic_by_hand() -> None:
     m = trainer_memory(cfg, arch, "actor", trainable=True)
     assert m.items["weights"] == 4 * params and m.items["gradients"] == 4 * params
     assert m.items["optimizer"] == 8 * params  # two fp32 AdamW moments
-    # 2 rows x 16 tokens; per token and layer 4h + 2q + 2kv + 4I = 16 + 8 + 4 + 32 elements, fp32, 2 layers
-    assert m.items["activations"] == 2 * 16 * 2 * 60 * 4
-    # with checkpointing: each layer's input (h) kept, one layer (60) recomputed
-    assert m.other_activations == 2 * 16 * (2 * 4 + 60) * 4
+    # 2 rows x 16 tokens, 2 layers; per token and layer in fp32: the norms' inputs and outputs 4h x 4 bytes,
+    # the q/k/v and gate/up inputs 2h x 4, q and k by their norms 4 + rotary/attention 3 x 4 bytes per
+    # (q + kv) element, the log-sum-exp 4 per head, the MLP 4I x 4: 64 + 32 + 96 + 8 + 128 = 328 bytes
+    assert arch.activation_bytes(4, 4, autocast=False) == 328
+    assert m.items["activations"] == 2 * 16 * 2 * 328
+    # with checkpointing: each layer's input (h, fp32) kept, one layer recomputed
+    assert m.other_activations == 2 * 16 * (2 * 4 * 4 + 328)
+    # bf16 autocast over fp32 weights (torch backend): an fp32 residual stream, each of the 5 input
+    # projections casting its own bf16 copy: 64 + 5 x 4 x 2 + (4 + 6) x 6 + 8 + 4 x 2 x 8 = 236 bytes
+    bf16 = trainer_memory(_cfg([*SHORT, "model.dtype=bfloat16"]), arch, "actor", trainable=True)
+    assert bf16.items["activations"] == 2 * 16 * 2 * 236
+    # FSDP's mixed precision: bf16 weights, a bf16 residual stream, shared projection inputs: 180 bytes
+    fsdp = trainer_memory(_cfg([*SHORT, "model.dtype=bfloat16", "trainer.fsdp=true"]), arch, "actor", True)
+    assert fsdp.items["activations"] == 2 * 16 * 2 * 180
     # [2, 16, 10] fp32 logits, then per response token 4 bytes (gathered) + 6 fp32 copies of 10
     assert m.items["logits"] == 2 * 16 * 10 * 4 + 2 * 4 * 10 * (4 + 24)
 
@@ -160,8 +170,8 @@ def test_lora_trains_only_the_adapters_by_hand() -> None:
     assert m.items["optimizer"] == 8 * adapters and full.items["optimizer"] - m.items["optimizer"] == 8 * 100
     assert m.items["gradients"] == 4 * adapters
     assert m.items["weights"] == 4 * (356 + adapters)  # the fp32 base stays, the adapters beside it
-    # per token and layer the adapters keep 7 rank-wide x·Aᵀ (fp32) beside the layer's 60 elements
-    assert m.items["activations"] == 2 * 16 * 2 * (60 * 4 + 7 * 2 * 4)
+    # per token and layer the adapters keep 7 rank-wide x·Aᵀ (fp32) beside the layer's 328 bytes
+    assert m.items["activations"] == 2 * 16 * 2 * (328 + 7 * 2 * 4)
     assert m.items["logits"] == full.items["logits"]
     assert "LoRA r2" in m.role
     # the Critic trains no adapters (its backend takes no trainer.lora)
@@ -172,20 +182,25 @@ def test_lora_trains_only_the_adapters_by_hand() -> None:
 def test_token_budget_sizes_activations_and_logits_by_hand() -> None:
     arch = arch_from_config(SMALL)
     m = trainer_memory(_cfg([*SHORT, "trainer.max_tokens_per_micro_batch=40"]), arch, "actor", trainable=True)
-    # 40 tokens (2.5 rows of 12 + 4) instead of 2 rows x 16; per token and layer 60 fp32 elements, 2 layers
-    assert m.items["activations"] == 40 * 2 * 60 * 4
+    # 40 tokens (2.5 rows of 12 + 4) instead of 2 rows x 16; per token and layer 328 bytes, 2 layers
+    assert m.items["activations"] == 40 * 2 * 328
     # packed Qwen3 rows: logits at the 2.5 x 4 response positions only, then 6 fp32 copies (unchunked)
     assert m.items["logits"] == 10 * 10 * (4 + 24)
     assert "40 tokens/micro-batch packed" in m.role
     # a budget below one row: the row trains alone
     m = trainer_memory(_cfg([*SHORT, "trainer.max_tokens_per_micro_batch=8"]), arch, "actor", trainable=True)
-    assert m.items["activations"] == 16 * 2 * 60 * 4 and m.items["logits"] == 4 * 10 * (4 + 24)
+    assert m.items["activations"] == 16 * 2 * 328 and m.items["logits"] == 4 * 10 * (4 + 24)
 
 
 def test_kv_cache_token_budget_sizes_the_torch_engines_cache_by_hand() -> None:
     arch = arch_from_config(SMALL)
-    # 16 x 8 samples in 128 slots of 12 + 4 tokens rounded up to 64; K and V, 2 layers, kv_dim 2, fp32
+    # the default evaluation's sampled pass asks for 128 prompts x 8 samples at once: 1024 slots of 12 + 4
+    # tokens rounded up to 64; K and V, 2 layers, kv_dim 2, fp32
     cfg = _cfg(SHORT)
+    m = engine_memory(cfg, arch, 0, gpu=False, capacity=None)
+    assert m.items["kv_cache"] == 2 * 2 * 1024 * 64 * 2 * 4 and m.items["sampling"] == 1024 * 10 * 4 * 3
+    # without evaluation sets, a step's 16 x 8 samples in 128 slots
+    cfg.eval.sets = {}
     m = engine_memory(cfg, arch, 0, gpu=False, capacity=None)
     assert m.items["kv_cache"] == 2 * 2 * 128 * 64 * 2 * 4 and m.items["sampling"] == 128 * 10 * 4 * 3
     # rollout.kv_cache_tokens=320: at most 320 tokens, 20 rows of 16 decoded at once
@@ -219,7 +234,8 @@ def test_managed_judge_engines_are_processes_of_their_own_by_hand() -> None:
     rows = min(cfg.reward.judge.max_running, cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
     tokens = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens + 16  # genrm's default verdict length
     items = judges[0].roles[0].items
-    assert items["engine_weights"] == arch.params * 4
+    # the model's weights and the decode layout's fused [q; k; v] and [gate; up] copies
+    assert items["engine_weights"] == arch.params * 4 + 4 * 128 * (128 + 2 * 64 + 2 * 384) * 4
     assert items["kv_cache"] == 2 * arch.num_layers * rows * tokens * arch.kv_dim * 4
     gpu = estimate(_cfg(["experiment=dapo_math_qwen3_4b", "reward=genrm", "reward.judge.model=tiny_qwen3"]))
     assert not any("judge" in d.name for d in gpu.devices)
