@@ -449,7 +449,8 @@ class TrainerConfig:
     micro_batch_size: int = 64
     # null: micro-batches of micro_batch_size rows, right-padded. A token count: rows grouped (longest first,
     # first fit) so each micro-batch holds at most this many prompt+response tokens (a longer row trains
-    # alone); the torch backend (not FSDP) packs a Qwen3 micro-batch's rows into one padding-free sequence
+    # alone); the torch backend (FSDP too: a rank with fewer groups splits its largest until every rank runs
+    # as many) packs a Qwen3 micro-batch's rows into one padding-free sequence
     # (per-row position ids, block-diagonal causal mask; share_prompts then does not apply). The same loss
     # and gradients to float rounding. mode=async streams keep row-count micro-batches, packed
     max_tokens_per_micro_batch: int | None = None

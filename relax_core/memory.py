@@ -406,7 +406,7 @@ PACKED_FAMILIES = ("qwen3", "qwen3_moe")
 
 
 def _token_budget(cfg: Any, role: str) -> tuple[float | None, bool]:
-    """With ``trainer.max_tokens_per_micro_batch`` (torch backend, not FSDP; not the Critic, whose backend
+    """With ``trainer.max_tokens_per_micro_batch`` (torch backend, FSDP too; not the Critic, whose backend
     takes ``algorithm.critic.micro_batch_size`` rows): the rows of a micro-batch at full length that its
     budget holds (fractional: the budget's tokens are what counts; a row longer than the budget trains
     alone), and whether the rows are packed (Qwen3 text: logits only at response positions). Else
@@ -414,7 +414,7 @@ def _token_budget(cfg: Any, role: str) -> tuple[float | None, bool]:
     response, so a group of many short responses beside one long one holds more logits than sized here."""
     t = cfg.trainer
     budget = t.max_tokens_per_micro_batch
-    if not budget or t.backend != "torch" or t.fsdp or role.startswith("critic"):
+    if not budget or t.backend != "torch" or role.startswith("critic"):
         return None, False
     length = sum(_seq(cfg))
     packed = cfg.model.family in PACKED_FAMILIES and cfg.modality.name == "text"

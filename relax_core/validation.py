@@ -126,10 +126,10 @@ def validate(cfg) -> None:
         if value < 1:
             raise RelaxUserError(f"{key} must be >= 1, got {value}")
     mt = t.max_tokens_per_micro_batch
-    if mt is not None and (mt < 1 or t.fsdp or t.backend != "torch"):
+    if mt is not None and (mt < 1 or t.backend != "torch"):
         raise RelaxUserError(
-            f"trainer.max_tokens_per_micro_batch={mt} needs a count >= 1 and the torch backend without FSDP "
-            f"(this run: trainer.backend={t.backend}, trainer.fsdp={t.fsdp}): set it to null"
+            f"trainer.max_tokens_per_micro_batch={mt} needs a count >= 1 and the torch backend (with or "
+            f"without FSDP; this run: trainer.backend={t.backend}): set it to null"
         )
     if r.num_engines > r.batch_size:
         raise RelaxUserError(

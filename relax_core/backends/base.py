@@ -26,12 +26,13 @@ def accumulate_gradients(
     loss_fn: LossFn,
     micro_batch_size: int,
     grad_scale: float = 1.0,
-    max_tokens: int | None = None,
+    groups: list[list[int]] | None = None,
 ) -> dict[str, float]:
     """Backward of ``loss_fn`` over the micro-batches of ``batch``; the caller steps the optimizer.
 
-    Micro-batches hold ``micro_batch_size`` rows, or, with ``max_tokens``, :func:`token_budget_groups`
-    (``loss_fn`` weighs each micro-batch by its own share of the batch, so any grouping sums to one loss).
+    Micro-batches hold ``micro_batch_size`` rows, or the rows of each of ``groups`` (token-budget groups,
+    :func:`token_budget_groups`; ``loss_fn`` weighs each micro-batch by its own share of the batch, so any
+    grouping sums to one loss).
 
     Returns the metrics averaged over micro-batches, except ``loss``: the micro-batch losses are already
     scaled for accumulation, so their sum is the batch loss. ``grad_scale`` multiplies only the gradient:
@@ -39,10 +40,10 @@ def accumulate_gradients(
     the global batch's loss, as on one rank.
     """
     sums: dict[str, float] = {}
-    if max_tokens is None or not isinstance(batch, TrainBatch):  # a bus stream forms its own micro-batches
+    if groups is None or not isinstance(batch, TrainBatch):  # a bus stream forms its own micro-batches
         micro_batches = batch.micro_batches(micro_batch_size)
     else:
-        micro_batches = [batch.select(rows) for rows in token_budget_groups(row_lengths(batch), max_tokens)]
+        micro_batches = [batch.select(rows) for rows in groups]
     for micro in micro_batches:
         logprobs, entropy = logprob_fn(micro)
         loss, metrics = loss_fn(micro, logprobs, entropy)
@@ -136,6 +137,21 @@ def token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
             groups[fit].append(i)
             room[fit] -= lengths[i]
     return [sorted(g) for g in groups]
+
+
+def split_groups(groups: list[list[int]], count: int) -> list[list[int]]:
+    """``groups`` with the largest split in halves until there are ``count`` of them (data-parallel ranks
+    must run as many micro-batches: each forward and backward is collective). ``count`` must not exceed
+    the rows."""
+    groups = [list(g) for g in groups]
+    if count > sum(len(g) for g in groups):
+        raise ValueError(f"cannot split {sum(len(g) for g in groups)} rows into {count} micro-batches")
+    while len(groups) < count:
+        largest = max(groups, key=len)
+        groups.remove(largest)
+        half = len(largest) // 2
+        groups += [largest[:half], largest[half:]]
+    return groups
 
 
 def scatter_rows(parts: list[torch.Tensor], groups: list[list[int]], width: int) -> torch.Tensor:

@@ -33,7 +33,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from relax_core.backends.base import LossFn, accumulate_gradients, pad_to_width, rank_slice, reduce_metrics
+from relax_core.backends.base import (
+    LossFn,
+    accumulate_gradients,
+    max_over_ranks,
+    pad_to_width,
+    rank_slice,
+    reduce_metrics,
+    scatter_rows,
+    split_groups,
+)
 from relax_core.backends.torch_backend import TorchBackend, rng_state, set_rng_state
 from relax_core.placement import join_rendezvous
 from relax_core.samples import TrainBatch
@@ -97,9 +106,15 @@ class FSDPBackend(TorchBackend):
         """Each rank scores its slice; the slices are gathered so every rank returns ``[B, R]``."""
         width = batch.loss_mask.shape[1]
         local = rank_slice(batch, self.rank, self.ranks)
-        parts = [self._logprobs_entropy(mb)[0] for mb in local.micro_batches(micro_batch_size)]
+        groups = self._budget_groups(local)
+        if groups is None:
+            parts = [self._logprobs_entropy(mb)[0] for mb in local.micro_batches(micro_batch_size)]
+            mine = pad_to_width(parts, width)
+        else:
+            packed = [self._packed_logprobs_entropy(local.select(rows))[0] for rows in groups]
+            mine = scatter_rows(packed, groups, width)
         # gathered on the device the group serves (NCCL takes no CPU tensor), returned on the CPU
-        mine = pad_to_width(parts, width).to(self.device)
+        mine = mine.to(self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.ranks)]
         dist.all_gather(gathered, mine)
         self.model.reshard()  # FSDP keeps the root's weights gathered after a forward, for a backward to come
@@ -112,12 +127,21 @@ class FSDPBackend(TorchBackend):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         local = rank_slice(batch, self.rank, self.ranks)
-        out = accumulate_gradients(local, self._logprobs_entropy, loss_fn, micro_batch_size, self.ranks)
+        groups = self._budget_groups(local)
+        out = accumulate_gradients(local, self._train_logprobs, loss_fn, micro_batch_size, self.ranks, groups)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
         # reduced before deciding: every rank sees the global loss and norm, so all skip or all step
         out = reduce_metrics(out, self.device)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         return self._apply_update(out, float(grad_norm))
+
+    def _budget_groups(self, batch: TrainBatch) -> list[list[int]] | None:
+        """This rank's token-budget groups, split until every rank has as many as the one with the most
+        (collective: each micro-batch's forward and backward gather and scatter over the ranks)."""
+        groups = super()._budget_groups(batch)
+        if groups is None:
+            return None
+        return split_groups(groups, max_over_ranks(len(groups), self.device))
 
     def sum_over_ranks(self, values: list[float]) -> list[float]:
         summed = torch.tensor(values, dtype=torch.float64, device=self.device)

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -238,9 +239,8 @@ class TorchBackend(TrainingBackend):
             return self._forward_logprobs(batch, micro_batch_size)
 
     def _forward_logprobs(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
-        max_tokens = getattr(self.trainer_cfg, "max_tokens_per_micro_batch", None)
-        if max_tokens:
-            groups = token_budget_groups(row_lengths(batch), max_tokens)
+        groups = self._budget_groups(batch)
+        if groups is not None:
             parts = [self._packed_logprobs_entropy(batch.select(rows))[0] for rows in groups]
             return scatter_rows(parts, groups, batch.loss_mask.shape[1])
         parts = [self._logprobs_entropy(mb)[0] for mb in batch.micro_batches(micro_batch_size)]
@@ -250,12 +250,26 @@ class TorchBackend(TrainingBackend):
         assert self.optimizer is not None, "train_step on a frozen backend"
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        max_tokens = getattr(self.trainer_cfg, "max_tokens_per_micro_batch", None)
-        logprob_fn = self._packed_logprobs_entropy if max_tokens else self._logprobs_entropy
+        groups = self._budget_groups(batch)
         with self._replaying():
-            out = accumulate_gradients(batch, logprob_fn, loss_fn, micro_batch_size, max_tokens=max_tokens)
+            out = accumulate_gradients(batch, self._train_logprobs, loss_fn, micro_batch_size, groups=groups)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
         return self._apply_update(out, float(grad_norm))
+
+    @property
+    def _train_logprobs(self) -> Callable[[TrainBatch], tuple[torch.Tensor, torch.Tensor]]:
+        """The training forward: packed rows with a token budget (a bus stream's row-count micro-batches
+        too), else padded ones."""
+        packed = getattr(self.trainer_cfg, "max_tokens_per_micro_batch", None)
+        return self._packed_logprobs_entropy if packed else self._logprobs_entropy
+
+    def _budget_groups(self, batch: TrainBatch) -> list[list[int]] | None:
+        """With ``trainer.max_tokens_per_micro_batch``: the packed micro-batches' rows of ``batch`` (None
+        without it, or for a bus stream, which forms its own micro-batches)."""
+        max_tokens = getattr(self.trainer_cfg, "max_tokens_per_micro_batch", None)
+        if not max_tokens or not isinstance(batch, TrainBatch):
+            return None
+        return token_budget_groups(row_lengths(batch), max_tokens)
 
     def _apply_update(self, out: dict[str, float], grad_norm: float) -> dict[str, float]:
         """The optimizer and scheduler step, or, for a non-finite loss or gradient norm, none: the

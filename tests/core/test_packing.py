@@ -76,7 +76,7 @@ def test_packed_matches_padded_logprobs_loss_and_gradients(tiny_model_dir: Path,
         assert torch.allclose(p_packed.grad, p_padded.grad, atol=1e-6, rtol=1e-4), name
 
 
-@pytest.mark.parametrize("override", ["trainer.max_tokens_per_micro_batch=0", "trainer.fsdp=true"])
+@pytest.mark.parametrize("override", ["trainer.max_tokens_per_micro_batch=0", "trainer=megatron"])
 def test_token_budget_refused_where_it_does_not_apply(make_cfg, override: str) -> None:
     from relax_core.validation import validate
 
