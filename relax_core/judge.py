@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,16 +77,43 @@ def tiny_judge_spec(name: str) -> tuple[str, dict[str, Any]]:
     return spec.family, OmegaConf.to_container(spec.tiny)
 
 
+@dataclass
+class EngineLaunch:
+    """How one judge engine's server process starts."""
+
+    command: list[str]
+    env: dict[str, str]
+    cwd: str | None = None
+
+
+def engine_launch(judge: Any, model_path: str, port: int, seed: int) -> EngineLaunch:
+    """Relax's torch engine server, or vLLM's in vLLM's interpreter (``reward.judge.engine``)."""
+    if judge.engine == "vllm":
+        from relax_core.engines.vllm import REPO_ROOT, server_command, server_env, vllm_python
+
+        command = server_command(vllm_python(judge.vllm_python), model_path, port, seed, dtype=judge.dtype)
+        return EngineLaunch(command, server_env(judge.num_threads), str(REPO_ROOT))
+    command = [
+        *(sys.executable, "-m", "relax_core.engines.http_server", "--model", model_path),
+        *("--port", str(port), "--threads", str(judge.num_threads), "--dtype", judge.dtype),
+        *("--seed", str(seed), "--max-running", str(judge.max_running)),
+    ]
+    return EngineLaunch(command, dict(os.environ))
+
+
 class JudgeEngine:
     """One judge engine server process on a fixed port (kept across restarts, so the router's key holds)."""
 
-    def __init__(self, command: list[str], port: int, startup_timeout_s: float, devices: str) -> None:
-        self.command, self.port, self.startup_timeout_s = command, port, startup_timeout_s
+    def __init__(self, launch: EngineLaunch, port: int, startup_timeout_s: float, devices: str) -> None:
+        self.port, self.startup_timeout_s = port, startup_timeout_s
+        self.launch = EngineLaunch(launch.command, launch.env | {"CUDA_VISIBLE_DEVICES": devices}, launch.cwd)
         self.url = f"http://127.0.0.1:{port}"
-        self.env = os.environ | {"CUDA_VISIBLE_DEVICES": devices}
-        self.process = ServerProcess(command, self.env)
+        self.process = self._start()
         self.started = time.monotonic()
         self.last_healthy: float | None = None  # None: not up since its (re)start
+
+    def _start(self) -> ServerProcess:
+        return ServerProcess(self.launch.command, self.launch.env, cwd=self.launch.cwd)
 
     def healthy(self) -> bool:
         try:
@@ -112,7 +140,7 @@ class JudgeEngine:
 
     def restart(self) -> None:
         self.process.stop(grace_s=1.0)  # reap it and anything left in its group
-        self.process = ServerProcess(self.command, self.env)
+        self.process = self._start()
         self.started, self.last_healthy = time.monotonic(), None
 
 
@@ -130,12 +158,8 @@ class JudgeGroup:
         self.engines: list[JudgeEngine] = []
         for i in range(judge.num_engines):
             port = free_port()
-            command = [
-                *(sys.executable, "-m", "relax_core.engines.http_server", "--model", model_path),
-                *("--port", str(port), "--threads", str(judge.num_threads), "--dtype", judge.dtype),
-                *("--seed", str(seed + i), "--max-running", str(judge.max_running)),
-            ]
-            self.engines.append(JudgeEngine(command, port, judge.startup_timeout_s, judge.devices))
+            launch = engine_launch(judge, model_path, port, seed + i)
+            self.engines.append(JudgeEngine(launch, port, judge.startup_timeout_s, judge.devices))
         try:
             for i, engine in enumerate(self.engines):
                 try:
@@ -242,6 +266,8 @@ def start_judge(cfg: Any) -> JudgeGroup | None:
         raise RelaxUserError(f"reward.judge.num_engines={judge.num_engines}: give 1 or more")
     if judge.dtype not in DTYPES:
         raise RelaxUserError(f"reward.judge.dtype={judge.dtype!r} is not one of {DTYPES}")
+    if judge.engine not in ("torch", "vllm"):
+        raise RelaxUserError(f"reward.judge.engine={judge.engine!r} is not one of ['torch', 'vllm']")
     group = JudgeGroup(judge, judge_model_path(judge, cfg.output_dir, cfg.seed), cfg.seed)
     cfg.reward.kwargs["url"] = group.url
     return group

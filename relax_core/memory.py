@@ -638,9 +638,14 @@ def judge_memory(cfg: Any) -> RoleMemory | None:
     verdict = int((cfg.reward.kwargs.get("sampling_params") or {}).get("max_new_tokens", 16))
     rows = min(judge.max_running, cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
     kv = kv_cache_bytes(arch, rows * (prompt + response + verdict), eb)
-    weights = arch.params * eb + arch.decode_weight_bytes(eb)  # a judge is a dense Qwen3 text model
+    if judge.engine == "vllm":  # vLLM's own cache, of the size it is given on the CPU where judges run
+        from relax_core.engines.vllm import CPU_KV_CACHE_MIB
+
+        weights, kv = arch.params * eb, CPU_KV_CACHE_MIB << 20
+    else:  # the torch engine's decode layout: a judge is a dense Qwen3 text model
+        weights = arch.params * eb + arch.decode_weight_bytes(eb)
     items = {"engine_weights": weights, "kv_cache": float(kv), "runtime": CPU_RUNTIME_BYTES}
-    return RoleMemory(f"judge engine ({judge.dtype})", items)
+    return RoleMemory(f"judge engine ({judge.engine}, {judge.dtype})", items)
 
 
 def _placement(cfg: Any) -> list[list[tuple[str, str, float]]]:

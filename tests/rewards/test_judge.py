@@ -14,6 +14,7 @@ import pytest
 import relax_rewards
 from relax_core.config import RelaxConfig
 from relax_core.engines.server_process import group_members
+from relax_core.engines.vllm import vllm_unavailable_reason
 from relax_core.judge import start_judge
 from relax_models.ports import free_port
 from relax_rewards import RewardExecutor, RewardItem
@@ -74,6 +75,30 @@ def test_managed_judge_scores_counts_garbage_and_restarts(tmp_path: Path) -> Non
     finally:
         judge.stop()
     assert not group_members(last)
+
+
+VLLM_REASON = vllm_unavailable_reason()
+
+
+# CI installs vLLM (tests/run.sh): there a missing install is a failure, not a skip
+@pytest.mark.skipif(
+    VLLM_REASON is not None and not os.environ.get("RELAX_REQUIRE_VLLM"), reason=str(VLLM_REASON)
+)
+def test_vllm_judge_engine_scores_through_the_router(tmp_path: Path) -> None:
+    """``reward.judge.engine=vllm``: the judge engine is vLLM's server in vLLM's interpreter, taking the
+    judge's text prompt and answering text: garbage is a counted 0, a verdict scores."""
+    cfg = RelaxConfig(output_dir=str(tmp_path))
+    cfg.reward = RewardConfig(name="genrm", judge=JudgeConfig(model="tiny_qwen3", engine="vllm"))
+    judge = start_judge(cfg)
+    assert judge is not None
+    try:
+        assert "relax_core.engines.vllm_server" in judge.engines[0].launch.command
+        url = cfg.reward.kwargs["url"]
+        garbage = score(url)
+        assert all(r == 0.0 and ex == {"judge_parse_errors": 1.0, "judge_errors": 0.0} for r, ex in garbage)
+        assert [r for r, _ in score(url, verdict_pattern="^", correct_verdict="")] == [1.0] * 8
+    finally:
+        judge.stop()
 
 
 def wait_until_serving_again(judge, restarts: int) -> None:
