@@ -135,7 +135,6 @@ def probe(role: str, overrides: list[str]) -> dict[str, float]:
 
             t = cfg.trainer
             backend = build_backend(t.backend, path, t, cfg.model, cfg.rollout.temperature, cfg.seed)
-            static = 0.0
             samples = [
                 Sample(i // 8, i % 8, tokens(prompt), tokens(response), [0.0] * response, [1] * response)
                 for i in range(rows)
@@ -203,10 +202,10 @@ def gpu_points(points: list[tuple[str, str, list[str]]]) -> None:
     for size, roles, extra in points:
         overrides = [*GPU_RUN, *GPU_SIZES[size], *extra]
         report = estimate(OmegaConf.to_object(compose_config(overrides)))
-        predicted = {r.role: r for d in report.devices for r in d.roles}
+        held = [r for d in report.devices for r in d.roles]
         for role in roles.split(","):
             prefix = "actor" if role == "actor" else "rollout engine"
-            memory = next(r for name, r in predicted.items() if name.startswith(prefix))
+            memory = next(r for r in held if r.role.startswith(prefix))
             items = {k: v for k, v in memory.items.items() if k not in NOT_ALLOCATED}
             # the role's total (gradients apart from the graph where it says so) less what no probe holds
             predicted = memory.total - sum(v for k, v in memory.items.items() if k in NOT_ALLOCATED)

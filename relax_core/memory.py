@@ -515,6 +515,7 @@ def trainer_memory(cfg: Any, arch: Arch, role: str, trainable: bool, rows: int |
     ckpt = bool(m.gradient_checkpointing)
     apart: tuple[str, ...] = ()
     if trainable:
+        dtypes = _dtypes(cfg, cb, True)
         lora = _lora(cfg, role)
         # LoRA: the frozen base in fp32 beside fp32 adapters, sharded alike; only the adapters train
         adapters = arch.lora_params(lora.rank, lora.target_modules) if lora else 0
@@ -530,9 +531,9 @@ def trainer_memory(cfg: Any, arch: Arch, role: str, trainable: bool, rows: int |
             "weights": weights,
             "gradients": trained * 4,
             "optimizer": trained * 8,
-            "activations": _activations(cfg, arch, rows, _dtypes(cfg, cb, True), ckpt, tp, extra),
+            "activations": _activations(cfg, arch, rows, dtypes, ckpt, tp, extra),
         }
-        other = _activations(cfg, arch, rows, _dtypes(cfg, cb, True), not ckpt, tp, extra)
+        other = _activations(cfg, arch, rows, dtypes, not ckpt, tp, extra)
         if lora:
             how += f", LoRA r{lora.rank}: {adapters / 1e6:,.1f} M trained"
         if not megatron and _one_micro_batch(cfg, rows):  # megatron's gradient buffers persist
@@ -637,13 +638,13 @@ def judge_memory(cfg: Any) -> RoleMemory | None:
     prompt, response = _seq(cfg)
     verdict = int((cfg.reward.kwargs.get("sampling_params") or {}).get("max_new_tokens", 16))
     rows = min(judge.max_running, cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
-    kv = kv_cache_bytes(arch, rows * (prompt + response + verdict), eb)
     if judge.engine == "vllm":  # vLLM's own cache, of the size it is given on the CPU where judges run
         from relax_core.engines.vllm import CPU_KV_CACHE_MIB
 
         weights, kv = arch.params * eb, CPU_KV_CACHE_MIB << 20
-    else:  # the torch engine's decode layout: a judge is a dense Qwen3 text model
+    else:  # the torch engine's decode layout (a judge is a dense Qwen3 text model) and its dense cache
         weights = arch.params * eb + arch.decode_weight_bytes(eb)
+        kv = kv_cache_bytes(arch, rows * (prompt + response + verdict), eb)
     items = {"engine_weights": weights, "kv_cache": float(kv), "runtime": CPU_RUNTIME_BYTES}
     return RoleMemory(f"judge engine ({judge.engine}, {judge.dtype})", items)
 

@@ -40,7 +40,7 @@ def accumulate_gradients(
     the global batch's loss, as on one rank.
     """
     sums: dict[str, float] = {}
-    if groups is None or not isinstance(batch, TrainBatch):  # a bus stream forms its own micro-batches
+    if groups is None:  # also a bus stream's: it forms its own micro-batches
         micro_batches = batch.micro_batches(micro_batch_size)
     else:
         micro_batches = [batch.select(rows) for rows in groups]
