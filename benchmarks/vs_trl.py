@@ -491,7 +491,7 @@ def relax_same_batch(inputs: dict, record: dict, seed: int, threads: int, extra:
     batch.extras["advantages"] = Advantages(cfg).compute(batch)
     actor = Actor(cfg, inputs["model"])
     before = {n: p.detach().clone() for n, p in actor.backend.model.named_parameters()}
-    metrics = actor.train(batch)
+    metrics = actor.train(1, batch)
     params = dict(actor.backend.model.named_parameters())
 
     def compare(name: str, relax: dict, trl: dict) -> dict[str, float]:

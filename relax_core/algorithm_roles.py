@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from relax_core.algorithms.shaping import groups_with_spread, overlong_penalty
 from relax_core.samples import Sample
+
+if TYPE_CHECKING:
+    from relax_core.config import AlgorithmConfig
 
 log = logging.getLogger("relax")
 
@@ -20,12 +24,12 @@ log = logging.getLogger("relax")
 FROZEN_ACTOR_METRICS = {"loss": 0.0, "entropy": float("nan"), "actor_frozen": 1.0}
 
 
-def critic_warming_up(algorithm_cfg, step: int) -> bool:
+def critic_warming_up(algorithm_cfg: AlgorithmConfig, step: int) -> bool:
     """True for RL steps 1..``critic.warmup_steps``: the actor does not move until the values mean something."""
     return algorithm_cfg.critic is not None and step <= algorithm_cfg.critic.warmup_steps
 
 
-def shape_rewards(samples: list[Sample], algorithm_cfg, max_new_tokens: int) -> list[Sample]:
+def shape_rewards(samples: list[Sample], algorithm_cfg: AlgorithmConfig, max_new_tokens: int) -> list[Sample]:
     """DAPO's soft overlong penalty added to each sample's reward (in place; a no-op when the buffer is 0)."""
     a = algorithm_cfg
     if a.overlong_buffer > 0 and samples:
@@ -58,7 +62,10 @@ def dynamic_sampling_metrics(
 
 
 def collect_with_dynamic_sampling(
-    sample_round: Callable[[], list[Sample]], algorithm_cfg, batch_size: int, max_new_tokens: int
+    sample_round: Callable[[], list[Sample]],
+    algorithm_cfg: AlgorithmConfig,
+    batch_size: int,
+    max_new_tokens: int,
 ) -> tuple[list[Sample], dict[str, float]]:
     """One step's samples: ``sample_round()`` samples ``batch_size`` prompts, shaped by :func:`shape_rewards`.
 

@@ -20,7 +20,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -29,6 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from relax_core.errors import RelaxUserError
 from relax_core.http_auth import check_security, guard
 from relax_core.rollout_pool import RolloutPool, ScaleError
+
+if TYPE_CHECKING:
+    from relax_core.config import RelaxConfig
 
 log = logging.getLogger("relax")
 
@@ -152,7 +155,7 @@ class ControlPlane:
     """Serves :func:`create_app` in a thread and publishes where it listens."""
 
     def __init__(
-        self, cfg, pool: Callable[[], RolloutPool | None], metrics: Callable[[], dict[str, Any]]
+        self, cfg: RelaxConfig, pool: Callable[[], RolloutPool | None], metrics: Callable[[], dict[str, Any]]
     ) -> None:
         from relax_core.engines.http_server import ServerThread
 

@@ -11,16 +11,19 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord
 from relax_core.synthetic import generate_synthetic
 
+if TYPE_CHECKING:
+    from relax_core.config import DataConfig
+
 log = logging.getLogger(__name__)
 
 
-def dataset_paths(cfg, output_dir: str, seed: int) -> tuple[str, str | None]:
+def dataset_paths(cfg: DataConfig, output_dir: str, seed: int) -> tuple[str, str | None]:
     """Train and eval files: the configured ones, or the synthetic task generated under the run dir."""
     if cfg.train_path:
         return cfg.train_path, cfg.eval_path
@@ -92,7 +95,7 @@ def get_field(row: dict, dotted: str) -> Any:
     return value
 
 
-def prompt_messages(prompt: Any, cfg) -> list[dict[str, Any]]:
+def prompt_messages(prompt: Any, cfg: DataConfig) -> list[dict[str, Any]]:
     """A dataset prompt (text or messages) as chat messages, with ``data.system_prompt`` in front."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
@@ -105,7 +108,7 @@ def prompt_messages(prompt: Any, cfg) -> list[dict[str, Any]]:
     return messages
 
 
-def render_prompt(prompt: Any, tokenizer, cfg) -> str:
+def render_prompt(prompt: Any, tokenizer, cfg: DataConfig) -> str:
     """The text the model sees: chat template over messages when available, else the raw text."""
     messages = prompt_messages(prompt, cfg)
     if cfg.apply_chat_template and getattr(tokenizer, "chat_template", None):
@@ -139,7 +142,7 @@ def with_media_markers(prompt: Any, items: dict[str, list]) -> Any:
 
 
 def load_prompts(
-    path: str, cfg, tokenizer, media=None, template: str | None = None
+    path: str, cfg: DataConfig, tokenizer, media=None, template: str | None = None
 ) -> tuple[list[PromptRecord], int]:
     """Tokenized prompt records of a file and the number of rows skipped (``data.on_error=skip``).
 

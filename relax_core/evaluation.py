@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from relax_core.config import EvalSetConfig
+from relax_core.config import EvalSetConfig, RelaxConfig
 from relax_core.data import load_prompts
 from relax_core.engines.base import SamplingParams
 from relax_core.errors import RelaxUserError
@@ -38,7 +38,7 @@ def solved(sample: Sample) -> float:
     )
 
 
-def eval_sets(cfg) -> dict[str, EvalSetConfig]:
+def eval_sets(cfg: RelaxConfig) -> dict[str, EvalSetConfig]:
     """``eval.sets`` checked against :class:`EvalSetConfig`; a bad entry raises one line naming its key."""
     sets: dict[str, EvalSetConfig] = {}
     eval_every = cfg.trainer.eval_every
@@ -99,7 +99,7 @@ class EvalSet:
 
 
 class Evaluator:
-    def __init__(self, cfg, tokenizer, media, default_path: str | None) -> None:
+    def __init__(self, cfg: RelaxConfig, tokenizer, media, default_path: str | None) -> None:
         """Load every set; a set without a file (no ``path`` and no eval split in the data config) is
         left out, as a run without ``data.eval_path`` has always had no evaluation."""
         self.cfg = cfg

@@ -27,13 +27,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_core import handles
 from relax_core.errors import ClusterTooSmall, RunFailedError
 from relax_core.ray_errors import GetTimeoutError, RayActorError, WorkerCrashedError
 from relax_core.ray_groups import RoleGroup
 from relax_core.weight_transfer.collective import BroadcastPeerLost
+
+if TYPE_CHECKING:
+    from relax_core.config import TrainerConfig
 
 log = logging.getLogger("relax")
 
@@ -76,7 +79,7 @@ class TrainingGuard:
     example error.
     """
 
-    def __init__(self, trainer_cfg) -> None:
+    def __init__(self, trainer_cfg: TrainerConfig) -> None:
         self.max_bad_steps = trainer_cfg.max_bad_steps
         self.max_share = trainer_cfg.max_bad_share
         self.total_steps = trainer_cfg.total_steps
@@ -139,7 +142,7 @@ class HealthManager:
     def __init__(
         self,
         groups: Callable[[], dict[str, RoleGroup]],
-        trainer_cfg,
+        trainer_cfg: TrainerConfig,
         max_global_restarts: int,
         output_dir: str,
         on_replaced: Callable[[str, int, Any], None],

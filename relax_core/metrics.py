@@ -11,11 +11,14 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
 from relax_core.errors import RelaxUserError, disk_full
+
+if TYPE_CHECKING:
+    from relax_core.config import LoggerConfig, RelaxConfig
 
 log = logging.getLogger("relax")
 
@@ -109,12 +112,12 @@ class MlflowRun:
     first ``log_metrics`` with MLflow's own error, and is left alone when the run finishes.
     """
 
-    def __init__(self, uri: str, logger_cfg, params: dict[str, str], config_path: Path) -> None:
+    def __init__(self, uri: str, logger_cfg: LoggerConfig, params: dict[str, str], config_path: Path) -> None:
         self.uri = uri
         self._opening = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-mlflow")
         self._opened = self._opening.submit(self._open, logger_cfg, params, config_path)
 
-    def _open(self, logger_cfg, params: dict[str, str], config_path: Path) -> tuple[Any, str]:
+    def _open(self, logger_cfg: LoggerConfig, params: dict[str, str], config_path: Path) -> tuple[Any, str]:
         from mlflow.entities import Param
 
         client = mlflow_client(self.uri)
@@ -151,7 +154,7 @@ class MetricsSink:
     TensorBoard (``logger=tensorboard``, or ``logger.tensorboard=true`` next to another logger) gets the
     per-step scalars and the config as text, in ``<run dir>/tensorboard``."""
 
-    def __init__(self, cfg, resolved: dict[str, Any]) -> None:
+    def __init__(self, cfg: RelaxConfig, resolved: dict[str, Any]) -> None:
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,12 +21,15 @@ from relax_core.data import get_field
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord, TrainBatch
 
+if TYPE_CHECKING:
+    from relax_core.config import ModalityConfig, RelaxConfig
+
 MEDIA_KINDS = ("image", "video", "audio")
 # build_multimodal_inputs keyword per kind
 KIND_ARGUMENT = {"image": "images", "video": "videos", "audio": "audios"}
 
 
-def check_modality_keys(modality_cfg) -> None:
+def check_modality_keys(modality_cfg: ModalityConfig) -> None:
     """``modality.keys`` names only kinds that ``modality.name`` takes (``text`` takes none)."""
     from relax_models.families import MODALITY_INPUTS
 
@@ -60,7 +63,9 @@ def _resolve(item: Any, base_dir: Path | None) -> Any:
     return item
 
 
-def row_media(row: dict, modality_cfg, base_dir: str | Path | None = None) -> dict[str, list[Any]]:
+def row_media(
+    row: dict, modality_cfg: ModalityConfig, base_dir: str | Path | None = None
+) -> dict[str, list[Any]]:
     """The media items of one dataset row per kind (a column may hold one item or a list; null: none).
 
     Raises ``KeyError(column)`` for a missing column, like the other column lookups of the loader.
@@ -85,7 +90,7 @@ class MediaPrompts:
     modality_cfg: Any
 
     @classmethod
-    def from_config(cls, modality_cfg, model_path: str) -> MediaPrompts | None:
+    def from_config(cls, modality_cfg: ModalityConfig, model_path: str) -> MediaPrompts | None:
         """None for text-only runs (no ``modality.keys``), else the processor of ``model_path``."""
         if not any(column is not None for column in modality_cfg.keys.values()):
             return None
@@ -180,7 +185,7 @@ def multimodal_model_inputs(
     return input_ids, kwargs
 
 
-def validate_model_and_modality(cfg) -> None:
+def validate_model_and_modality(cfg: RelaxConfig) -> None:
     """Before Ray starts: the model family exists and can take ``modality``, ``modality.keys`` fit it, a
     model without a tiny spec has ``model.path`` and a run without a synthetic task has a dataset file."""
     from relax_models.families import check_modality, get_family

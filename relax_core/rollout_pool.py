@@ -41,6 +41,8 @@ from relax_core.samples import PromptRecord, Sample, SampleStatus
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
+    from relax_core.config import RelaxConfig
+
 log = logging.getLogger("relax")
 # external servers load each version from an HF folder of the Actor's weights, which only colocate's
 # pauses between steps can write consistently
@@ -127,7 +129,7 @@ class RolloutPool(RoleGroup):
 
     def __init__(
         self,
-        cfg,
+        cfg: RelaxConfig,
         model_path: str,
         pg: PlacementGroup,
         bundles: list[int],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_core import handles
 from relax_core.algorithms.spec import requirements
@@ -36,11 +36,14 @@ from relax_core.multimodal import MediaPrompts
 from relax_core.samples import Sample, TrainBatch
 from relax_models.loader import load_tokenizer, resolve_model_path
 
+if TYPE_CHECKING:
+    from relax_core.config import RelaxConfig
+
 log = logging.getLogger("relax")
 
 
 class RunLoop:
-    def __init__(self, cfg, resolved: dict[str, Any]) -> None:
+    def __init__(self, cfg: RelaxConfig, resolved: dict[str, Any]) -> None:
         """Loads the model folder and the datasets: user errors surface here, before Ray starts."""
         resolve_threads(cfg)
         if cfg.logger.name == "mlflow":

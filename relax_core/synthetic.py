@@ -17,11 +17,14 @@ import json
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_core.errors import RelaxUserError
 
-RowMaker = Callable[[random.Random, Any], dict]
+if TYPE_CHECKING:
+    from relax_core.config import DataConfig
+
+RowMaker = Callable[[random.Random, "DataConfig"], dict]
 
 # modules whose import registers tasks (besides this one, which defines ``digits``)
 TASK_MODULES = ("relax_core.synthetic_multimodal", "relax_core.agentic.tasks", "relax_core.synthetic_code")
@@ -67,13 +70,13 @@ synthetic_task = SYNTHETIC_TASKS.register
 
 
 @synthetic_task("digits")
-def digits_row(rng: random.Random, cfg) -> dict:
+def digits_row(rng: random.Random, cfg: DataConfig) -> dict:
     """``sort 31524:`` -> ``12345``: sort a random digit string (scored with per-position credit)."""
     digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(cfg.min_digits, cfg.max_digits)))
     return {"prompt": f"sort {digits}:", "label": "".join(sorted(digits)), "metadata": {"task": "sort"}}
 
 
-def generate_synthetic(cfg, folder: str | Path, seed: int) -> tuple[str, str]:
+def generate_synthetic(cfg: DataConfig, folder: str | Path, seed: int) -> tuple[str, str]:
     """Write ``train.jsonl`` and ``eval.jsonl`` for ``cfg.synthetic``; eval prompts never occur in train."""
     if cfg.synthetic not in SYNTHETIC_TASKS:
         raise RelaxUserError(

@@ -7,15 +7,19 @@ stdin/stdout cases for the read-and-print rows, assert lines for the function ro
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 from relax_core.synthetic import synthetic_task
+
+if TYPE_CHECKING:
+    from relax_core.config import DataConfig
 
 _OPS = {"add": lambda n, k: n + k, "mul": lambda n, k: n * k, "mod": lambda n, k: n % k}
 _SIGN = {"add": "+", "mul": "*", "mod": "%"}
 
 
 @synthetic_task("code_tiny")
-def code_row(rng: random.Random, cfg) -> dict:
+def code_row(rng: random.Random, cfg: DataConfig) -> dict:
     """``py: print n+7 for the n on stdin`` or ``py: def f(n): n*3``, with three tests of random n."""
     op = rng.choice(sorted(_OPS))
     k = rng.randint(1, 99)

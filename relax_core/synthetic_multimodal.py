@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import random
 import string
+from typing import TYPE_CHECKING
 
 from relax_core.errors import RelaxUserError
 from relax_core.synthetic import synthetic_task
+
+if TYPE_CHECKING:
+    from relax_core.config import DataConfig
 
 # name -> RGB; a row jitters its colour so no two images are alike
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -29,7 +33,7 @@ TONES_HZ = (250.0, 500.0, 1000.0, 2000.0, 4000.0, 6000.0)
 AUDIO_RATE = 16000
 
 
-def _options(cfg, names: list[str]) -> list[str]:
+def _options(cfg: DataConfig, names: list[str]) -> list[str]:
     if not 2 <= cfg.num_choices <= len(names):
         raise RelaxUserError(
             f"data.num_choices={cfg.num_choices} must be between 2 and {len(names)} for data.synthetic="
@@ -44,7 +48,7 @@ def _question(marker: str, what: str, options: list[str]) -> str:
 
 
 @synthetic_task("vision_colors")
-def vision_colors_row(rng: random.Random, cfg) -> dict:
+def vision_colors_row(rng: random.Random, cfg: DataConfig) -> dict:
     """``<image>colour? A=red B=green ...`` -> the letter of the colour of the square on a noisy background.
 
     The square's size, place and exact shade vary, so the vision tower has to find it.
@@ -70,7 +74,7 @@ def vision_colors_row(rng: random.Random, cfg) -> dict:
 
 
 @synthetic_task("audio_tones")
-def audio_tones_row(rng: random.Random, cfg) -> dict:
+def audio_tones_row(rng: random.Random, cfg: DataConfig) -> dict:
     """``<audio>pitch? A=250Hz B=500Hz ...`` -> the letter of the tone heard in a noisy clip.
 
     Pitch (±4 %), loudness, phase, onset and noise level vary per clip.

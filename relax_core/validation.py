@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import traceback
+from typing import TYPE_CHECKING
 
 import relax_rewards
 from relax_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from relax_core.errors import RelaxUserError
 from relax_core.weight_transfer import STRATEGIES
+
+if TYPE_CHECKING:
+    from relax_core.config import RelaxConfig
+    from relax_rewards.config import RewardConfig
 
 
 def _check_choice(key: str, value: str, choices: list[str]) -> None:
@@ -15,7 +20,7 @@ def _check_choice(key: str, value: str, choices: list[str]) -> None:
         raise RelaxUserError(f"{key}={value!r} is not one of {choices}")
 
 
-def _check_reward_imports(reward) -> None:
+def _check_reward_imports(reward: RewardConfig) -> None:
     """Import the user's reward plug-ins and ``_target_`` here, before Ray: a syntax error or a missing
     module is one line naming the file, not a traceback from inside a rollout engine."""
     from relax_rewards.plugins import import_plugin, load_custom
@@ -46,7 +51,7 @@ def _check_reward_imports(reward) -> None:
 MOE_FAMILIES = ("qwen3_moe", "qwen3_vl_moe", "qwen3_omni")
 
 
-def _check_routing_replay(cfg) -> None:
+def _check_routing_replay(cfg: RelaxConfig) -> None:
     """``algorithm.routing_replay=true`` needs an MoE model, the torch engine (the one that records the experts;
     vLLM's and SGLang's per-token routing output is not wired up) and the single-process torch trainer in
     mode=colocate with single-turn rollouts (the only path that carries the routing to the Actor)."""
@@ -69,7 +74,7 @@ def _check_routing_replay(cfg) -> None:
         )
 
 
-def validate(cfg) -> None:
+def validate(cfg: RelaxConfig) -> None:
     """Raise :class:`RelaxUserError` naming the first key whose value cannot work."""
     a, r, t, d = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.data
     _check_choice("algorithm.advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS.names())

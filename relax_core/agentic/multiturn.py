@@ -21,7 +21,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_core.agentic.env import (
     BaseInteractionEnv,
@@ -33,6 +33,9 @@ from relax_core.agentic.env import (
 from relax_core.agentic.formatting import ObservationFormatter, merge_multimodal
 from relax_core.engines.base import GenerationRequest, RolloutEngine, SamplingParams
 from relax_core.samples import PromptRecord, Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from relax_core.config import RolloutConfig
 
 log = logging.getLogger("relax")
 
@@ -105,7 +108,9 @@ def engine_policy(engine: RolloutEngine, sampling: SamplingParams) -> TurnPolicy
 class MultiTurnRunner:
     """Runs episodes for a batch of prompts with ``rollout.env``; returns one :class:`Sample` per episode."""
 
-    def __init__(self, rollout_cfg, tokenizer, model_path: str | None = None, seed: int = 0) -> None:
+    def __init__(
+        self, rollout_cfg: RolloutConfig, tokenizer, model_path: str | None = None, seed: int = 0
+    ) -> None:
         self.cfg = rollout_cfg
         self.env_cls = resolve_env_class(dict(rollout_cfg.env))
         self.env_kwargs = env_kwargs(dict(rollout_cfg.env))

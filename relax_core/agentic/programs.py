@@ -45,6 +45,7 @@ from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord, Sample
 
 if TYPE_CHECKING:  # the pool imports the Rollout role, which imports this package
+    from relax_core.config import RelaxConfig
     from relax_core.rollout_pool import RolloutPool
 
 log = logging.getLogger("relax")
@@ -93,7 +94,9 @@ def last_lines(path: Path, count: int = 5) -> str:
 class AgentProgramRollout:
     """The rollout stage of ``rollout.agent`` runs: :meth:`generate` has the program play the prompts."""
 
-    def __init__(self, cfg, pool: RolloutPool | EngineSet, tokenizer, cwd: str | None = None) -> None:
+    def __init__(
+        self, cfg: RelaxConfig, pool: RolloutPool | EngineSet, tokenizer, cwd: str | None = None
+    ) -> None:
         """``cwd``: where the program starts (a relative command is the driver's: an async run hosts this
         in a Ray actor, whose working directory may differ)."""
         self.cfg = cfg
@@ -331,7 +334,7 @@ class AgentRolloutHost(BusProducer):
 
     plays_episodes = True
 
-    def __init__(self, cfg, model_path: str, engines: list, bus: DataBus, cwd: str) -> None:
+    def __init__(self, cfg: RelaxConfig, model_path: str, engines: list, bus: DataBus, cwd: str) -> None:
         from relax_models.loader import load_tokenizer
 
         self.cfg, self.bus = cfg, bus

@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import json
 import random
+from typing import TYPE_CHECKING
 
 from relax_core.agentic.lookup import lookup_value
 from relax_core.synthetic import synthetic_task
 
+if TYPE_CHECKING:
+    from relax_core.config import DataConfig
 
-def operands(rng: random.Random, cfg) -> tuple[int, int]:
+
+def operands(rng: random.Random, cfg: DataConfig) -> tuple[int, int]:
     """Two numbers of the same width, ``min_digits``..``max_digits`` digits."""
     width = rng.randint(cfg.min_digits, cfg.max_digits)
     return rng.randint(10 ** (width - 1), 10**width - 1), rng.randint(10 ** (width - 1), 10**width - 1)
 
 
 @synthetic_task("calc")
-def calc_row(rng: random.Random, cfg) -> dict:
+def calc_row(rng: random.Random, cfg: DataConfig) -> dict:
     """``37+45`` -> 82, with operands of ``min_digits``..``max_digits`` digits (too hard to add unaided)."""
     a, b = operands(rng, cfg)
     expr = f"{a}+{b}"
@@ -29,7 +33,7 @@ def calc_row(rng: random.Random, cfg) -> dict:
 
 
 @synthetic_task("guess")
-def guess_row(rng: random.Random, cfg) -> dict:
+def guess_row(rng: random.Random, cfg: DataConfig) -> dict:
     """``417 guess 1-15``: find a secret in 1..15. The leading game number only makes prompts distinct, so
     the eval split (separated from train by prompt text) can hold every secret."""
     high = 15
@@ -41,7 +45,7 @@ def guess_row(rng: random.Random, cfg) -> dict:
 
 
 @synthetic_task("calc_chat")
-def calc_chat_row(rng: random.Random, cfg) -> dict:
+def calc_chat_row(rng: random.Random, cfg: DataConfig) -> dict:
     """``calc`` for the external agent program ``examples/agents/calc_agent.py``, with the conversation
     the program has with a model that solves it (``metadata.demo``, the warm-start demonstration)."""
     row = calc_row(rng, cfg)
@@ -74,7 +78,7 @@ TOOL_FOR_OPERATOR = {"+": "add", "*": "mul"}
 
 
 @synthetic_task("calc_tools")
-def calc_tools_row(rng: random.Random, cfg) -> dict:
+def calc_tools_row(rng: random.Random, cfg: DataConfig) -> dict:
     """``7*5`` or ``7+5`` for the function-calling agent ``examples/agents/calc_tools_agent.py``, which
     offers ``add(a, b)`` and ``mul(a, b)`` and answers with the result of the model's call: reward 1 when
     the call uses the function that fits the operator (``metadata.tool``) on the question's numbers.
@@ -103,7 +107,7 @@ def calc_tools_row(rng: random.Random, cfg) -> dict:
 
 
 @synthetic_task("lookup")
-def lookup_row(rng: random.Random, cfg) -> dict:
+def lookup_row(rng: random.Random, cfg: DataConfig) -> dict:
     """``find 374`` -> the slow lookup service's value for key ``374`` (:mod:`relax_core.agentic.lookup`):
     keys of ``min_digits``..``max_digits`` digits, values a hash only the tool knows."""
     width = rng.randint(cfg.min_digits, cfg.max_digits)

@@ -3,15 +3,20 @@ rollout.agent is set)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from relax_core.agentic.env import resolve_env_class
 from relax_core.errors import RelaxUserError
+
+if TYPE_CHECKING:
+    from relax_core.config import RelaxConfig
 
 FAILED_SAMPLE_POLICIES = ["mask", "keep"]
 # the endpoint's thread pool holds a waiting request of every program copy besides their model calls
 MAX_AGENT_WORKERS = 16
 
 
-def validate_agentic(cfg) -> None:
+def validate_agentic(cfg: RelaxConfig) -> None:
     r = cfg.rollout
     if not isinstance(r.env, dict):
         raise RelaxUserError("rollout.env must be a mapping with _target_ (or null for single-turn)")
@@ -23,7 +28,7 @@ def validate_agentic(cfg) -> None:
     validate_episode_limits(cfg)
 
 
-def validate_agent_program(cfg) -> None:
+def validate_agent_program(cfg: RelaxConfig) -> None:
     """``rollout.agent``: an external program plays the episodes (relax_core/agentic/programs.py)."""
     r, agent = cfg.rollout, cfg.rollout.agent
     if r.env is not None:
@@ -44,7 +49,7 @@ def validate_agent_program(cfg) -> None:
     validate_episode_limits(cfg)
 
 
-def validate_episode_limits(cfg) -> None:
+def validate_episode_limits(cfg: RelaxConfig) -> None:
     r = cfg.rollout
     if r.failed_sample_policy not in FAILED_SAMPLE_POLICIES:
         raise RelaxUserError(

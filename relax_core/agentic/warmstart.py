@@ -12,11 +12,16 @@ records a session.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from relax_core.agentic.formatting import continuation_text, render_messages
 from relax_core.agentic.multiturn import Episode, MultiTurnRunner
 from relax_core.agentic.tools import assistant_text
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord, Sample
+
+if TYPE_CHECKING:
+    from relax_core.config import RolloutConfig
 
 
 def expert_policy(tokenizer):
@@ -39,7 +44,9 @@ def expert_policy(tokenizer):
     return policy
 
 
-def expert_samples(prompts: list[PromptRecord], rollout_cfg, tokenizer, seed: int) -> list[Sample]:
+def expert_samples(
+    prompts: list[PromptRecord], rollout_cfg: RolloutConfig, tokenizer, seed: int
+) -> list[Sample]:
     """One demonstration episode per prompt (failed ones, e.g. over the context budget, are dropped)."""
     runner = MultiTurnRunner(rollout_cfg, tokenizer, seed=seed)
     samples = runner.run(prompts, 1, expert_policy(tokenizer))

@@ -6,7 +6,12 @@ The rules of the configured estimator, loss, aggregation and algorithm come from
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from relax_core.algorithms.spec import Constraint, constraints
+
+if TYPE_CHECKING:
+    from relax_core.config import RelaxConfig
 
 
 def _critic_ok(c) -> bool:
@@ -58,7 +63,7 @@ SHARED_RULES: tuple[Constraint, ...] = (
 )
 
 
-def validate_algorithm(cfg) -> None:
+def validate_algorithm(cfg: RelaxConfig) -> None:
     """Raise :class:`RelaxUserError` naming the first algorithm key whose value cannot work."""
     for rule in (*constraints(cfg.algorithm), *SHARED_RULES):
         rule.check(cfg)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from relax_core.algorithms.masked import masked_mean
 from relax_core.algorithms.registry import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from relax_core.samples import TrainBatch
+
+if TYPE_CHECKING:
+    from relax_core.config import AlgorithmConfig
 
 
 def truncated_is_weights(
@@ -22,7 +27,11 @@ def truncated_is_weights(
 
 
 def policy_objective(
-    batch: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor, cfg, weight: float = 1.0
+    batch: TrainBatch,
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    cfg: AlgorithmConfig,
+    weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """loss = agg(w_TIS·ℓ_policy) − c_H·agg(H) + c_KL·agg(KL(π‖π_ref)), times ``weight``.
 
@@ -57,14 +66,16 @@ def policy_objective(
     return loss * weight, out
 
 
-def sequence_count(batch: TrainBatch, cfg) -> int:
+def sequence_count(batch: TrainBatch, cfg: AlgorithmConfig) -> int:
     """Sequences the aggregation averages over: seq-mean-token-mean skips rows with no trained token."""
     if cfg.loss_agg_mode == "seq-mean-token-mean":
         return int((batch.loss_mask.sum(-1) > 0).sum())
     return len(batch)
 
 
-def micro_batch_weight(micro: TrainBatch, total_tokens: float, total_seqs: int, cfg) -> float:
+def micro_batch_weight(
+    micro: TrainBatch, total_tokens: float, total_seqs: int, cfg: AlgorithmConfig
+) -> float:
     """Share of one micro-batch in the optimizer batch for the configured aggregation.
 
     token-mean: tokens(micro) / total_tokens; the sequence means: sequence_count(micro) / total_seqs, where

@@ -6,10 +6,15 @@ mask and the algorithm config, and returns ``(loss, metrics)``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from relax_core.algorithms.masked import masked_mean
 from relax_core.algorithms.registry import POLICY_LOSSES
+
+if TYPE_CHECKING:
+    from relax_core.config import AlgorithmConfig
 
 # |log π − log π_old| beyond this is numerically meaningless and would overflow exp()
 LOG_RATIO_CLAMP = 20.0
@@ -23,7 +28,7 @@ def importance_ratio(
     return log_ratio.exp(), log_ratio
 
 
-def _clamp_of(cfg) -> float:
+def _clamp_of(cfg: AlgorithmConfig) -> float:
     return float(getattr(cfg, "log_ratio_clamp", None) or LOG_RATIO_CLAMP)
 
 
@@ -42,7 +47,7 @@ def ratio_metrics(
 
 
 def clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg: AlgorithmConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """ℓ = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)) and the fraction of tokens where the clip binds."""
     unclipped = -advantages * ratio
@@ -56,7 +61,7 @@ def ppo_clip_loss(
     old_logprob: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    cfg,
+    cfg: AlgorithmConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with separate bounds and dual clip.
 
@@ -82,7 +87,7 @@ def gspo_loss(
     old_logprob: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    cfg,
+    cfg: AlgorithmConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: one importance ratio per sequence, clipped like PPO.
 
@@ -107,7 +112,7 @@ def sapo_loss(
     old_logprob: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    cfg,
+    cfg: AlgorithmConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAPO: a smooth, temperature-controlled gate replaces the hard clip.
 
@@ -134,7 +139,7 @@ def cispo_loss(
     old_logprob: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    cfg,
+    cfg: AlgorithmConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO: clip the importance-sampling *weight*, never the token's gradient.
 

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_core.algorithms.registry import Registry
 from relax_core.errors import RelaxUserError
+
+if TYPE_CHECKING:
+    from relax_core.config import RelaxConfig
 
 # per-token fields helper roles write for the Advantages and Actor stages
 VALUES, TEACHER_LOGPROBS, REF_LOGPROBS, OLD_LOGPROBS = (
@@ -39,7 +42,7 @@ class Constraint:
     holds: Callable[[Any, Any], bool]
     message: str
 
-    def check(self, cfg) -> None:
+    def check(self, cfg: RelaxConfig) -> None:
         a, r = cfg.algorithm, cfg.rollout
         if not self.holds(a, r):
             raise RelaxUserError(self.message.format(a=a, r=r))
@@ -241,14 +244,14 @@ class Requirements:
     model_roles: tuple[str, ...]
 
 
-def needs_old_logprobs(cfg, num_samples: int) -> bool:
+def needs_old_logprobs(cfg: RelaxConfig, num_samples: int) -> bool:
     """A batch of ``num_samples`` is trained in several optimizer steps (``ppo_epochs > 1`` or
     ``trainer.global_batch_size`` below it), so later steps need the behaviour policy's log-probs."""
     global_batch = cfg.trainer.global_batch_size
     return cfg.algorithm.ppo_epochs > 1 or bool(global_batch and global_batch < num_samples)
 
 
-def requirements(cfg) -> Requirements:
+def requirements(cfg: RelaxConfig) -> Requirements:
     a, r = cfg.algorithm, cfg.rollout
     estimator = ESTIMATOR_SPECS.get(a.advantage_estimator)
     reference = a.kl_loss_coef > 0 or a.kl_reward_coef > 0

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from relax_core.backends.base import TrainingBackend
 from relax_core.errors import RelaxUserError
+
+if TYPE_CHECKING:
+    from relax_core.config import ModelConfig, TrainerConfig
 
 
 def build_backend(
     name: str,
     model_path: str,
-    trainer_cfg,
-    model_cfg,
+    trainer_cfg: TrainerConfig,
+    model_cfg: ModelConfig,
     temperature: float,
     seed: int,
     trainable: bool = True,

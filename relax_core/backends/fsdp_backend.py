@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -51,12 +52,20 @@ from relax_models.lora import merged_weights
 from relax_models.megatron.cpu_shim import init_process_group
 from relax_models.weight_buckets import bucket_by_bytes
 
+if TYPE_CHECKING:
+    from relax_core.config import ModelConfig, TrainerConfig
+
 
 class FSDPBackend(TorchBackend):
     """An HF model whose decoder layers and root are ``fully_shard``-ed over the default process group."""
 
     def __init__(
-        self, model_path: str, trainer_cfg, model_cfg, temperature: float = 1.0, trainable: bool = True
+        self,
+        model_path: str,
+        trainer_cfg: TrainerConfig,
+        model_cfg: ModelConfig,
+        temperature: float = 1.0,
+        trainable: bool = True,
     ):
         join_rendezvous()  # MASTER_ADDR/PORT of the group, wherever Ray put its ranks
         init_process_group()  # from RANK / WORLD_SIZE / MASTER_*; a lone process gets a group of one

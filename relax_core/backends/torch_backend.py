@@ -8,6 +8,7 @@ import os
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +36,9 @@ from relax_models.errors import RelaxUserError
 from relax_models.loader import DTYPES, load_causal_lm, load_tokenizer
 from relax_models.lora import LoRALinear, apply_lora, is_adapter, merged_weights
 from relax_models.routing_replay import RoutingReplay, replay_routing
+
+if TYPE_CHECKING:
+    from relax_core.config import ModelConfig, TrainerConfig
 
 # families whose text forward takes packed rows (position ids restarting per row, no attention mask)
 PACKED_FAMILIES = ("qwen3", "qwen3_moe")
@@ -67,7 +71,12 @@ class TorchBackend(TrainingBackend):
     """
 
     def __init__(
-        self, model_path: str, trainer_cfg, model_cfg, temperature: float = 1.0, trainable: bool = True
+        self,
+        model_path: str,
+        trainer_cfg: TrainerConfig,
+        model_cfg: ModelConfig,
+        temperature: float = 1.0,
+        trainable: bool = True,
     ):
         self.model_path = model_path
         self.temperature = temperature
@@ -108,7 +117,7 @@ class TorchBackend(TrainingBackend):
         if trainable:
             self.reset_optimizer(trainer_cfg.lr)
 
-    def _build_model(self, model_path: str, model_cfg, device: torch.device) -> torch.nn.Module:
+    def _build_model(self, model_path: str, model_cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
         """The model this backend trains or scores with (a value-head model for the Critic), on ``device``
         (``meta``: the architecture without weights)."""
         return load_causal_lm(

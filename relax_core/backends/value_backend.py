@@ -9,6 +9,7 @@ receives log-probs.
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from relax_core.backends.fsdp_backend import FSDPBackend
 from relax_core.backends.torch_backend import TorchBackend
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_causal_lm
+
+if TYPE_CHECKING:
+    from relax_core.config import CriticConfig, ModelConfig
 
 
 class ValueModel(torch.nn.Module):
@@ -63,7 +67,7 @@ class ValueHead:
     per-token input, and a constant-lr AdamW from ``algorithm.critic``. Mixed in before
     :class:`TorchBackend` (one process) or :class:`FSDPBackend` (sharded over the Critic's ranks)."""
 
-    def __init__(self, model_path: str, critic_cfg, model_cfg) -> None:
+    def __init__(self, model_path: str, critic_cfg: CriticConfig, model_cfg: ModelConfig) -> None:
         """``critic_cfg`` (``algorithm.critic``): AdamW at a constant ``lr`` (defaults otherwise) and
         ``grad_clip``; the trunk comes from ``critic.model_path`` or the policy's ``model_path``."""
         optimizer_cfg = SimpleNamespace(
@@ -79,7 +83,7 @@ class ValueHead:
         )
         super().__init__(critic_cfg.model_path or model_path, optimizer_cfg, model_cfg)
 
-    def _build_model(self, model_path: str, model_cfg, device: torch.device) -> torch.nn.Module:
+    def _build_model(self, model_path: str, model_cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
         return ValueModel(model_path, model_cfg.dtype, model_cfg.attn_implementation, device)
 
     def _logprobs_entropy(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -114,6 +114,17 @@ def score_stage(
     need = SAMPLE_FIELDS + MEDIA_FIELDS  # the model sees each row's media
     waited = stream_stage(bus, step, total, need, task, chunk, fn, sharded=sharded)
     return {f"time/{task}_wait_s": waited}
+
+
+@dataclass
+class BusStep:
+    """A step's rows on the DataBus, as the Actor trains on them in mode=async (``Actor.train``): ``total``
+    rows, each read once it has the fields ``need``; ``extras`` are the per-token fields that go into the
+    batch's extras (old log-probs, advantages, ...)."""
+
+    total: int
+    need: list[str]
+    extras: list[str]
 
 
 class MicroStream:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from relax_core.engines.base import EngineSetup, RolloutEngine, engine_dtype
 from relax_core.options import Option
+
+if TYPE_CHECKING:
+    from relax_core.config import ModelConfig, RolloutConfig
 
 ENGINES = Option(
     "rollout.engine",
@@ -19,9 +24,9 @@ def build_engine(
     name: str,
     model_path: str,
     tokenizer,
-    model_cfg,
+    model_cfg: ModelConfig | None,
     seed: int,
-    rollout_cfg=None,
+    rollout_cfg: RolloutConfig | None = None,
     engine_url: str | None = None,
     record_routing: bool = False,
 ) -> RolloutEngine:

@@ -12,7 +12,7 @@ import abc
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_core.algorithms.spec import Requirements
 from relax_core.data import PromptStream
@@ -20,6 +20,9 @@ from relax_core.engines.base import SamplingParams
 from relax_core.placement import actor_world_size
 from relax_core.ray_groups import RoleGroup
 from relax_core.samples import PromptRecord, Sample
+
+if TYPE_CHECKING:
+    from relax_core.config import RelaxConfig
 
 StepMetrics = dict[str, float]
 
@@ -120,7 +123,7 @@ class Mode(abc.ABC):
         return self.ctx.stream.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        """Scheduler state that a checkpoint keeps (e.g. the critic warm-up count)."""
+        """Scheduler state that a checkpoint keeps (e.g. async's sample counts)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -160,7 +163,7 @@ def reward_metrics(samples: list[Sample], prefix: str = "reward") -> StepMetrics
     return out
 
 
-def resolve_threads(cfg) -> None:
+def resolve_threads(cfg: RelaxConfig) -> None:
     """Fill ``rollout.num_threads`` / ``trainer.num_threads`` left null from the node's cores, so that the
     processes computing at the same moment hold no more torch threads than there are cores: OpenMP pools
     that outnumber the cores preempt each other's spinning threads (2 FSDP ranks x 2 threads on 2 cores:

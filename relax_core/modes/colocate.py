@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from relax_core import handles
-from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, collect_with_dynamic_sampling, critic_warming_up
+from relax_core.algorithm_roles import collect_with_dynamic_sampling
 from relax_core.algorithms.spec import needs_old_logprobs
 from relax_core.engines.base import SamplingParams
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
@@ -43,7 +43,6 @@ class ColocateMode(Mode):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.advantages = Advantages(ctx.cfg)  # tensor math on the driver: no actor of its own
-        self.critic_updates = 0  # RL steps seen by the critic (its warm-up counts them)
         self.step_extra: StepMetrics = {}
         self.pg = None
         self.engines_released = False  # rollout.release_memory_during_train: engines freed their KV cache
@@ -217,17 +216,13 @@ class ColocateMode(Mode):
         for key, per_rank in refs.items():
             batch.extras[key] = handles.get(per_rank)[0]
 
-    def update(self, batch: TrainBatch) -> StepMetrics:
-        """Stage 4 — Critic on the GAE returns (PPO), then the Actor's optimizer step(s); the actor waits
-        during the critic's warm-up."""
-        self.critic_updates += 1
+    def update(self, step: int, batch: TrainBatch) -> StepMetrics:
+        """Stage 4 — Critic on the GAE returns (PPO), then the Actor's optimizer step(s) (none during the
+        critic's warm-up)."""
         metrics: StepMetrics = {}
-        frozen = critic_warming_up(self.cfg.algorithm, self.critic_updates)
         if self.roles.critic is not None:
             metrics = self.roles.critic.call_collective("fit", batch)
-        if frozen:
-            return metrics | FROZEN_ACTOR_METRICS
-        return metrics | self.roles.actor.call_collective("train", batch)
+        return metrics | self.roles.actor.call_collective("train", step, batch)
 
     def train_step(self, step: int) -> StepMetrics:
         """collect -> annotate -> advantages -> update -> weights to rollout, timing each stage."""
@@ -253,7 +248,7 @@ class ColocateMode(Mode):
         batch = TrainBatch.from_samples(samples, self.ctx.tokenizer.pad_token_id)
         timed("logprob", self.annotate, batch)
         batch.extras["advantages"] = timed("advantages", self.advantages.compute, batch)
-        train_metrics = timed("train", self.update, batch)
+        train_metrics = timed("train", self.update, step, batch)
         if release:  # weights land in an awake engine
             timed("resume_memory", self.engine_memory, False)
         timed("weight_sync", self.health.retrying, lambda: self.publish(step), f"weight sync v{step}")
@@ -277,9 +272,3 @@ class ColocateMode(Mode):
     def steps(self, first: int, evaluate: Callable[[int], StepMetrics]) -> Iterator[tuple[int, StepMetrics]]:
         for step in range(first, self.cfg.trainer.total_steps + 1):
             yield step, self.health.run_step(step, self.train_step, self.ctx.stream)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"algo_updates": self.critic_updates}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.critic_updates = state.get("algo_updates", 0)

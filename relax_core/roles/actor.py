@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from relax_core.algorithms.objective import micro_batch_weight, policy_objective
 from relax_core.backends import build_backend
 from relax_core.backends.base import SKIPPED_STEPS
 from relax_core.databus import DataBus, PartitionCancelled, partition_name, sample_key
-from relax_core.databus.stages import MicroStream, score_stage
+from relax_core.databus.stages import BusStep, MicroStream, score_stage
 from relax_core.errors import nonfinite_weights_error
 from relax_core.placement import actor_world_size, data_parallel_size
 from relax_core.roles import use_threads
@@ -24,8 +25,11 @@ from relax_core.samples import TrainBatch
 from relax_core.weight_transfer import WeightReceiver, WeightSource
 from relax_models.loader import load_tokenizer
 
+if TYPE_CHECKING:
+    from relax_core.config import AlgorithmConfig, RelaxConfig
 
-def effective_algorithm(cfg):
+
+def effective_algorithm(cfg: RelaxConfig) -> AlgorithmConfig:
     """The algorithm config the loss uses: ``algorithm.tis_cap``, else the mode's off-policy cap when
     samples can be stale (``mode.max_staleness > 0``); strictly on-policy runs keep no correction."""
     a, m = cfg.algorithm, cfg.mode
@@ -52,7 +56,9 @@ def per_update(sums: dict[str, float], updates: int) -> dict[str, float]:
 
 
 class Actor(WeightSource, WeightReceiver):
-    def __init__(self, cfg, model_path: str, replica: int = 0, bus: DataBus | None = None) -> None:
+    def __init__(
+        self, cfg: RelaxConfig, model_path: str, replica: int = 0, bus: DataBus | None = None
+    ) -> None:
         """``replica``: this process's rank in a multi-process Actor group (FSDP data-parallel ranks, or
         the megatron training world; see ``relax_core.placement.actor_world_size``).
 
@@ -111,88 +117,74 @@ class Actor(WeightSource, WeightReceiver):
         self.backend.reset_optimizer(self.cfg.trainer.lr)
         self._in_warm_start = False
 
-    def train(self, batch: TrainBatch) -> dict[str, float]:
-        """``algorithm.ppo_epochs`` passes over ``batch``, one optimizer step per global batch."""
+    def train(self, step: int, rows: TrainBatch | BusStep) -> dict[str, float]:
+        """``algorithm.ppo_epochs`` passes over step ``step``'s rows, one optimizer step per global batch;
+        during PPO's critic warm-up the policy does not move.
+
+        ``rows``: the batch in hand (mode=colocate), or a :class:`BusStep`, the step's rows on the DataBus
+        (mode=async): micro-batches then stream into the backend as soon as their fields are ready, each
+        data-parallel rank streaming its contiguous share of every optimizer batch (what
+        :func:`~relax_core.backends.base.rank_slice` gives it of a batch in hand), and the version is kept to
+        publish while the next step trains."""
         algo, trainer = self.algo, self.cfg.trainer
-        global_size = trainer.global_batch_size or len(batch)
-        metrics: dict[str, float] = {}
-        updates = 0
-        for _ in range(algo.ppo_epochs):
-            for start in range(0, len(batch), global_size):
-                mini = batch.select(list(range(start, min(start + global_size, len(batch)))))
-                total_tokens, total_seqs = float(mini.loss_mask.sum()), sequence_count(mini, algo)
-
-                def loss_fn(micro, logprobs, entropy, _t=total_tokens, _s=total_seqs):
-                    loss, m = policy_objective(
-                        micro, logprobs, entropy, algo, micro_batch_weight(micro, _t, _s, algo)
-                    )
-                    # the train-vs-rollout log-prob mismatch, as mode=async reports it (_streamed_loss)
-                    diff = (logprobs.detach() - micro.rollout_logprobs).abs()
-                    m["off_policy/train_rollout_abs_diff"] = float(masked_mean(diff, micro.loss_mask))
-                    return loss, m
-
-                for k, v in self.backend.train_step(mini, loss_fn, trainer.micro_batch_size).items():
-                    metrics[k] = metrics.get(k, 0.0) + v
-                updates += 1
-        return per_update(metrics, updates)
-
-    def train_from_bus(self, step: int, total: int, need: list[str], extras: list[str]) -> dict[str, float]:
-        """mode=async: :meth:`train` on step ``step``'s rows as they land on the bus (micro-batches stream
-        into the backend as soon as their fields are ready); then keeps version ``step`` to publish.
-
-        Data-parallel ranks each stream their contiguous share of every optimizer batch, as
-        :func:`~relax_core.backends.base.rank_slice` gives it in colocate."""
-        algo, trainer = self.algo, self.cfg.trainer
-        if critic_warming_up(algo, step):  # PPO: the policy waits for the critic, version ``step`` = step−1
-            self.weights_snapshot(step)
-            return FROZEN_ACTOR_METRICS | {"optimizer_steps": 0.0} | staleness_metrics([], step - 1)
+        on_bus = isinstance(rows, BusStep)
+        frozen = critic_warming_up(algo, step)  # version ``step`` is then version step−1's weights
+        total = rows.total if on_bus else len(rows)
         global_size = trainer.global_batch_size or total
-        keys = [sample_key(i) for i in range(total)]
-        part = partition_name(step)
-        # megatron: the ranks of one model replica stream the same rows (in order, so in step)
-        replica, in_order = self.backend.data_parallel_rank(self.rank), actor_world_size(trainer) > self.ranks
-        whole_first = self.cfg.mode.max_staleness == 0  # nothing overlaps: take colocate's exact weights
         sums: dict[str, float] = {}
         updates, wait_s, versions = 0, 0.0, []
         t0 = time.perf_counter()
         try:
-            for epoch in range(algo.ppo_epochs):
+            for epoch in range(0 if frozen else algo.ppo_epochs):
                 for start in range(0, total, global_size):
-                    share = min(global_size, total - start) // self.ranks
-                    mine = keys[start + replica * share : start + (replica + 1) * share]
-                    stream = MicroStream(
-                        self.bus,
-                        self.pad,
-                        part,
-                        mine,
-                        need,
-                        extras,
-                        algo,
-                        self.backend,
-                        in_order,
-                        whole_first,
-                    )
-                    loss_fn = functools.partial(self._streamed_loss, stream)
-                    out = self.backend.train_step(stream, loss_fn, trainer.micro_batch_size)
-                    if stream.totals is None:  # the gradients were scaled after the fact; the loss is too
-                        out["loss"] = out["loss"] / max(stream.total_weight, 1.0)
+                    end = min(start + global_size, total)
+                    if on_bus:
+                        part, totals = self._stream(step, rows, start, end), None
+                    else:
+                        part = rows.select(list(range(start, end)))
+                        totals = (float(part.loss_mask.sum()), sequence_count(part, algo))
+                    loss_fn = functools.partial(self._loss, part, totals)
+                    out = self.backend.train_step(part, loss_fn, trainer.micro_batch_size)
+                    if on_bus:
+                        if part.totals is None:  # the gradients were scaled after the fact; the loss is too
+                            out["loss"] = out["loss"] / max(part.total_weight, 1.0)
+                        wait_s += part.wait_s
+                        versions += part.versions if epoch == 0 else []
                     for k, v in out.items():
                         sums[k] = sums.get(k, 0.0) + v
                     updates += 1
-                    wait_s += stream.wait_s
-                    if epoch == 0:
-                        versions += stream.versions
         except PartitionCancelled:  # the step is being regenerated; the next train_step zeroes the gradients
-            if stream.bus_error is not None and not updates:
-                raise stream.bus_error from None  # nothing trained: the scheduler recovers and regenerates the step
+            if part.bus_error is not None and not updates:
+                raise part.bus_error from None  # nothing trained: the scheduler recovers and regenerates the step
             # after an update the scheduler must know this step is half-trained (restart from a checkpoint)
             return {"cancelled": 1.0, "optimizer_steps": float(updates)}
-        self.weights_snapshot(step)
-        metrics = per_update(sums, updates)
-        metrics |= staleness_metrics(self._from_every_rank(versions), step - 1)
-        metrics["time/actor_data_wait_s"] = wait_s
-        metrics["time/actor_busy_s"] = time.perf_counter() - t0 - wait_s
+        metrics = FROZEN_ACTOR_METRICS | {"optimizer_steps": 0.0} if frozen else per_update(sums, updates)
+        if on_bus:
+            self.weights_snapshot(step)
+            metrics |= staleness_metrics(self._from_every_rank(versions), step - 1)
+            metrics["time/actor_data_wait_s"] = wait_s
+            metrics["time/actor_busy_s"] = time.perf_counter() - t0 - wait_s
         return metrics
+
+    def _stream(self, step: int, rows: BusStep, start: int, end: int) -> MicroStream:
+        """This rank's share of the optimizer batch of rows ``start``..``end`` of step ``step`` on the bus."""
+        share = (end - start) // self.ranks
+        replica = self.backend.data_parallel_rank(self.rank)
+        keys = [sample_key(i) for i in range(start + replica * share, start + (replica + 1) * share)]
+        return MicroStream(
+            self.bus,
+            self.pad,
+            partition_name(step),
+            keys,
+            rows.need,
+            rows.extras,
+            self.algo,
+            self.backend,
+            # megatron: the ranks of one model replica stream the same rows (in order, so in step)
+            in_order=actor_world_size(self.cfg.trainer) > self.ranks,
+            # nothing overlaps at staleness 0: take colocate's exact weights
+            whole_first=self.cfg.mode.max_staleness == 0,
+        )
 
     def _from_every_rank(self, values: list[int]) -> list[int]:
         """Every data-parallel rank's ``values``, concatenated (collective)."""
@@ -202,14 +194,20 @@ class Actor(WeightSource, WeightReceiver):
         dist.all_gather_object(gathered, values)
         return [v for part in gathered for v in part]
 
-    def _streamed_loss(
-        self, stream: MicroStream, micro: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor
+    def _loss(
+        self,
+        part: TrainBatch | MicroStream,
+        totals: tuple[float, int] | None,
+        micro: TrainBatch,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor,
     ):
-        """The objective of one streamed micro-batch, plus the train-vs-rollout log-prob mismatch: weighed by
-        its share of the batch when ``stream`` knows the totals, else un-normalised (``stream`` scales the
-        gradients once the batch is complete)."""
+        """The objective of one micro-batch of the optimizer batch ``part``, weighed by its share of the batch
+        (``totals``: the batch's tokens and sequences, or the stream's once it knows them; else un-normalised
+        and the stream scales the gradients once the batch is complete), plus the train-vs-rollout log-prob
+        mismatch."""
         algo = self.algo
-        weight = micro_batch_weight(micro, *(stream.totals or (1.0, 1)), algo)
+        weight = micro_batch_weight(micro, *(totals or part.totals or (1.0, 1)), algo)
         loss, m = policy_objective(micro, logprobs, entropy, algo, weight)
         mask, lp = micro.loss_mask, logprobs.detach()
         m["off_policy/train_rollout_abs_diff"] = float(masked_mean((lp - micro.rollout_logprobs).abs(), mask))

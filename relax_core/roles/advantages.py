@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from relax_core.databus.records import SAMPLE_FIELDS, batch_from_rows, per_sampl
 from relax_core.databus.stages import stream_stage
 from relax_core.samples import TrainBatch
 
+if TYPE_CHECKING:
+    from relax_core.config import RelaxConfig
+
 
 def behaviour_logprobs(batch: TrainBatch) -> torch.Tensor:
     """log π of the policy that sampled: ActorFwd's ``old_logprobs`` when present, else the engine's."""
@@ -22,7 +26,7 @@ def behaviour_logprobs(batch: TrainBatch) -> torch.Tensor:
 class Advantages:
     def __init__(
         self,
-        cfg,
+        cfg: RelaxConfig,
         bus: DataBus | None = None,
         pad_token_id: int = 0,
         inputs: tuple[str, ...] = (),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from relax_core.algorithms.advantages import gae, last_token_rewards
@@ -14,9 +16,14 @@ from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_tokenizer
 
+if TYPE_CHECKING:
+    from relax_core.config import RelaxConfig
+
 
 class Critic:
-    def __init__(self, cfg, model_path: str, bus: DataBus | None = None, sharded: bool = False) -> None:
+    def __init__(
+        self, cfg: RelaxConfig, model_path: str, bus: DataBus | None = None, sharded: bool = False
+    ) -> None:
         """``sharded``: this process is one rank of a group as large as the Actor's (colocate mode with
         ``trainer.fsdp``): the value model is FSDP-sharded over it and every call runs collectively."""
         use_threads(cfg.trainer.num_threads)

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from relax_core.config import MegatronParallelConfig
+from relax_core.config import MegatronParallelConfig, RelaxConfig
 from relax_core.databus import DataBus
 from relax_core.roles.scorer import FrozenScorer
 from relax_core.weight_transfer import WeightReceiver
@@ -16,7 +16,9 @@ class Reference(FrozenScorer, WeightReceiver):
     stage = "reference"
     column = "ref_logprobs"
 
-    def __init__(self, cfg, model_path: str, bus: DataBus | None = None, sharded: bool = False) -> None:
+    def __init__(
+        self, cfg: RelaxConfig, model_path: str, bus: DataBus | None = None, sharded: bool = False
+    ) -> None:
         trainer_cfg = cfg.trainer
         if trainer_cfg.backend == "megatron":  # a frozen scorer runs alone: no model-parallel group
             trainer_cfg = dataclasses.replace(trainer_cfg, megatron=MegatronParallelConfig())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from relax_core.samples import PromptRecord, Sample, SampleStatus
 from relax_core.weight_transfer import WeightReceiver
 from relax_models.loader import load_tokenizer
 from relax_rewards.executor import RewardExecutor, RewardItem
+
+if TYPE_CHECKING:
+    from relax_core.config import RelaxConfig
 
 FINISH_STATUS = {
     "stop": SampleStatus.COMPLETED,
@@ -35,7 +39,7 @@ class Rollout(WeightReceiver, BusProducer):
 
     def __init__(
         self,
-        cfg,
+        cfg: RelaxConfig,
         model_path: str,
         replica: int = 0,
         engine_url: str | None = None,

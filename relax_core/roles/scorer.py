@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from relax_core.backends import build_backend
@@ -10,6 +12,9 @@ from relax_core.databus.stages import score_stage
 from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_tokenizer
+
+if TYPE_CHECKING:
+    from relax_core.config import RelaxConfig, TrainerConfig
 
 
 class FrozenScorer:
@@ -23,7 +28,13 @@ class FrozenScorer:
     column: str  # the bus column its log-probs go to
 
     def __init__(
-        self, cfg, model_path: str, backend: str, trainer_cfg, bus: DataBus | None, sharded: bool
+        self,
+        cfg: RelaxConfig,
+        model_path: str,
+        backend: str,
+        trainer_cfg: TrainerConfig,
+        bus: DataBus | None,
+        sharded: bool,
     ) -> None:
         use_threads(cfg.trainer.num_threads)
         self.micro_batch_size = cfg.trainer.micro_batch_size

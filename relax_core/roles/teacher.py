@@ -15,6 +15,7 @@ import random
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from relax_core.synthetic import SYNTHETIC_TASKS
 from relax_models.cache import build_once, cache_root
 from relax_models.loader import load_tokenizer
 
+if TYPE_CHECKING:
+    from relax_core.config import DataConfig, RelaxConfig, TeacherConfig
+
 log = logging.getLogger("relax")
 
 
@@ -37,7 +41,9 @@ class Teacher(FrozenScorer):
     stage = "teacher"
     column = "teacher_logprobs"
 
-    def __init__(self, cfg, teacher_path: str, bus: DataBus | None = None, sharded: bool = False) -> None:
+    def __init__(
+        self, cfg: RelaxConfig, teacher_path: str, bus: DataBus | None = None, sharded: bool = False
+    ) -> None:
         super().__init__(cfg, teacher_path, "torch", cfg.trainer, bus, sharded)
 
 
@@ -51,7 +57,7 @@ def check_tokenizer_match(student_path: str, teacher_path: str) -> None:
         )
 
 
-def teacher_recipe(teacher_cfg, data_cfg, seed: int) -> dict:
+def teacher_recipe(teacher_cfg: TeacherConfig, data_cfg: DataConfig, seed: int) -> dict:
     """Everything that determines the default teacher's weights (its cache key)."""
     return {
         "version": 2,  # 2: trained through TorchBackend (linear decay to a tenth, AdamW foreach)
@@ -69,11 +75,11 @@ def teacher_recipe(teacher_cfg, data_cfg, seed: int) -> dict:
     }
 
 
-def default_cache_dir(teacher_cfg) -> Path:
+def default_cache_dir(teacher_cfg: TeacherConfig) -> Path:
     return (Path(teacher_cfg.cache_dir).expanduser() if teacher_cfg.cache_dir else cache_root()) / "teachers"
 
 
-def resolve_teacher_path(cfg) -> str:
+def resolve_teacher_path(cfg: RelaxConfig) -> str:
     """``algorithm.teacher.path`` if set (must be a model folder); else the cached default teacher."""
     t = cfg.algorithm.teacher
     if t.path:
@@ -90,7 +96,9 @@ def resolve_teacher_path(cfg) -> str:
     return str(ensure_default_teacher(t, cfg.data, seed=0))
 
 
-def ensure_default_teacher(teacher_cfg, data_cfg, seed: int = 0, folder: str | Path | None = None) -> Path:
+def ensure_default_teacher(
+    teacher_cfg: TeacherConfig, data_cfg: DataConfig, seed: int = 0, folder: str | Path | None = None
+) -> Path:
     """Train the default task teacher into ``folder`` (default: the cache) unless it is already there.
 
     Idempotent: the folder holds ``relax_teacher.json`` with the recipe; a matching one is reused. The model
@@ -114,7 +122,7 @@ def ensure_default_teacher(teacher_cfg, data_cfg, seed: int = 0, folder: str | P
     return build_once(folder, is_built, train)
 
 
-def train_task_teacher(teacher_cfg, data_cfg, seed: int, folder: Path) -> dict:
+def train_task_teacher(teacher_cfg: TeacherConfig, data_cfg: DataConfig, seed: int, folder: Path) -> dict:
     """Supervised training of a tiny Qwen3 on the synthetic task's (prompt, label) pairs; writes an HF folder.
 
     Loss: token-mean negative log-likelihood of ``label + <eos>`` after the rendered prompt — the same

@@ -16,6 +16,8 @@ from relax_core.weight_transfer.channel import Layout, layout_of, plan_buckets
 if TYPE_CHECKING:
     import ray
 
+    from relax_core.config import WeightTransferConfig
+
 log = logging.getLogger("relax")
 
 # what ``weight_transfer=`` accepts
@@ -34,7 +36,13 @@ class WeightTransfer:
     """
 
     def __init__(
-        self, strategy: str, source, cfg, run_dir: str, model_path: str, mode: str = "colocate"
+        self,
+        strategy: str,
+        source,
+        cfg: WeightTransferConfig,
+        run_dir: str,
+        model_path: str,
+        mode: str = "colocate",
     ) -> None:
         self.strategy = strategy
         self.mode = mode

@@ -112,7 +112,7 @@ def test_agent_loop_over_http_records_masked_trajectories(server, tokenizer, tin
         batch.rewards, batch.group_ids, batch.loss_mask
     )
     before = {k: v.clone() for k, v in actor.state_dict().items()}
-    metrics = actor.train(batch)
+    metrics = actor.train(1, batch)
     assert metrics["optimizer_steps"] == 1.0
     if batch.rewards.std() > 0:
         assert any(not torch.equal(before[k], v) for k, v in actor.state_dict().items())

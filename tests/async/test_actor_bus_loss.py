@@ -14,6 +14,7 @@ from relax_core.algorithms.spec import requirements
 from relax_core.databus import partition_name
 from relax_core.databus.ray_bus import RayDataBus
 from relax_core.databus.records import SAMPLE_FIELDS, sample_rows
+from relax_core.databus.stages import BusStep
 from relax_core.roles.actor import Actor
 from relax_core.samples import Sample
 from tests.core.conftest import compose_config
@@ -62,7 +63,7 @@ def train_while_the_bus_dies(tmp_path, tiny_model_dir, rows_before_kill: int):
 
     def train() -> None:
         try:
-            outcome["metrics"] = actor.train_from_bus(1, ROWS, SAMPLE_FIELDS + list(need), list(need))
+            outcome["metrics"] = actor.train(1, BusStep(ROWS, SAMPLE_FIELDS + list(need), list(need)))
         except Exception as err:  # noqa: BLE001  (the test inspects it)
             outcome["error"] = err
 

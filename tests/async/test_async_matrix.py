@@ -17,6 +17,7 @@ import torch
 from relax_core.algorithms.spec import requirements
 from relax_core.databus import InMemoryDataBus, partition_name, sample_key
 from relax_core.databus.records import MEDIA_FIELDS, SAMPLE_FIELDS, batch_from_rows, get_rows, sample_rows
+from relax_core.databus.stages import BusStep
 from relax_core.roles.actor import Actor
 from relax_core.samples import Sample
 from tests.core.conftest import compose_config
@@ -148,9 +149,9 @@ def test_megatron_actor_streamed_from_the_bus_takes_the_whole_batch_step(
     actor = Actor(cfg, str(tiny_model_dir), bus=bus)
     start = {k: v.clone() for k, v in actor.backend.state_dict().items()}
     extras = list(requirements(cfg).train_fields)
-    streamed = actor.train_from_bus(1, len(samples), SAMPLE_FIELDS + MEDIA_FIELDS + extras, extras)
+    streamed = actor.train(1, BusStep(len(samples), SAMPLE_FIELDS + MEDIA_FIELDS + extras, extras))
     actor.backend.load_state_dict(start)
-    whole = actor.train(batch_from_rows(fields, actor.pad, extras))
+    whole = actor.train(1, batch_from_rows(fields, actor.pad, extras))
     for key in ("loss", "grad_norm", "entropy"):
         assert streamed[key] == pytest.approx(whole[key], rel=1e-5), key
 

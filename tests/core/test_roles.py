@@ -84,7 +84,7 @@ def test_actor_train_changes_weights_and_returns_metrics(
     logprobs = actor.compute_log_probs(batch)
     assert torch.allclose(logprobs, batch.rollout_logprobs, atol=1e-4)
     before = actor.state_dict()
-    metrics = actor.train(batch)
+    metrics = actor.train(1, batch)
     assert {"loss", "pg_loss", "entropy", "grad_norm", "lr", "optimizer_steps"} <= set(metrics)
     assert metrics["optimizer_steps"] == 1.0 and metrics["grad_norm"] > 0
     after = actor.state_dict()
@@ -101,7 +101,7 @@ def test_actor_optimizer_steps_follow_global_batch_and_epochs(
     cfg = make_cfg("trainer.global_batch_size=6", "algorithm.ppo_epochs=2")
     _, batch = scored_batch(rollout, prompts, cfg)  # 16 samples -> mini-batches of 6, 6, 4
     batch.extras["old_logprobs"] = batch.rollout_logprobs.clone()
-    metrics = Actor(cfg, str(tiny_model_dir)).train(batch)
+    metrics = Actor(cfg, str(tiny_model_dir)).train(1, batch)
     assert metrics["optimizer_steps"] == 6.0
 
 
@@ -130,7 +130,7 @@ def test_reference_scores_with_the_initial_policy(
     initial = actor.compute_log_probs(batch)
     assert torch.allclose(reference.compute_log_probs(batch), initial, atol=1e-6)
     for _ in range(2):
-        actor.train(batch)
+        actor.train(1, batch)
     assert not torch.allclose(actor.compute_log_probs(batch), initial, atol=1e-4)
     # the Reference stays frozen at the initial weights
     assert torch.allclose(reference.compute_log_probs(batch), initial, atol=1e-6)
