@@ -734,11 +734,14 @@ def estimate(cfg: Any) -> MemoryReport:
                     rank_gpu = target
                 target.roles.append(memory)
         judge = judge_memory(cfg)
-        if judge is not None:  # processes of the driver's node, outside the GPUs Ray places roles on
-            where = f"GPU(s) {cfg.reward.judge.devices}" if cfg.reward.judge.devices else "the CPU"
+        if judge is not None and cfg.reward.judge.num_gpus:  # bundles of their own (relax_core/judge.py)
+            for i in range(cfg.reward.judge.num_engines):
+                engine = RoleMemory(f"{judge.role} {i}", judge.items | {"runtime": GPU_RUNTIME_BYTES})
+                place(min(cfg.reward.judge.num_gpus, 1.0)).roles.append(engine)
+        elif judge is not None:
             notes.append(
-                f"{cfg.reward.judge.num_engines} judge engine(s) on {where}, {judge.total / GB:.2f} GB each "
-                "(not in the table)"
+                f"{cfg.reward.judge.num_engines} judge engine(s) on the CPU (reward.judge.num_gpus=0), "
+                f"{judge.total / GB:.2f} GB each (not in the table)"
             )
         return MemoryReport(arch, source, True, capacity, devices, notes)
     # CPU: one process per role, except in_process (all) and colocate's fused Actor + engine

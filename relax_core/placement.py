@@ -52,8 +52,14 @@ def gpu_env(num_gpus: float) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ""} if has_gpus else {}
 
 
-def reserve(bundles: list[dict[str, float]], name: str, timeout_s: float = 120.0) -> Any:
-    """A ready PACKed placement group of ``bundles`` named ``name``, or one error saying what is short."""
+def reserve(
+    bundles: list[dict[str, float]],
+    name: str,
+    timeout_s: float = 120.0,
+    shares: str = "rollout.num_cpus/trainer.num_cpus",
+) -> Any:
+    """A ready PACKed placement group of ``bundles`` named ``name``, or one error saying what is short (and
+    that ``shares``, the settings the bundles come from, can be lowered)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -68,7 +74,7 @@ def reserve(bundles: list[dict[str, float]], name: str, timeout_s: float = 120.0
         held = ", ".join(f"{have.get(k, 0.0):g} {k}" for k in short)
         raise ClusterTooSmall(
             f"the roles of {name} need {asked} in Ray but the cluster has {held}: raise cluster.num_cpus/cluster.num_gpus "
-            "or lower rollout.num_cpus/trainer.num_cpus (logical shares, not cores)"
+            f"or lower {shares} (logical shares, not cores)"
         )
     pg = placement_group(bundles, strategy="PACK", name=name)
     try:
@@ -246,16 +252,22 @@ def colocate_bundles(rollout_cfg: Any, trainer_cfg: Any) -> list[dict[str, float
 
 
 def gpu_bundles(cfg: Any) -> list[float]:
-    """GPUs of each placement-group bundle the mode reserves (what ``modes/colocate.py`` and
-    ``modes/asynchronous.py`` ask Ray for; Reference, Critic and Teacher share an Actor rank's in colocate)."""
+    """GPUs of each placement-group bundle the run reserves (what ``modes/colocate.py``,
+    ``modes/asynchronous.py`` and the judge ask Ray for; Reference, Critic and Teacher share an Actor rank's
+    in colocate)."""
     r, t = cfg.rollout, cfg.trainer
+    judge = cfg.reward.judge
+    # the judge engines' bundles (relax_core/judge.py's placement group relax-judge)
+    judges = (
+        [judge.num_gpus] * judge.num_engines if judge is not None and judge.managed and judge.num_gpus else []
+    )
     if cfg.mode.name == "colocate":
-        return [bundle.get("GPU", 0.0) for bundle in colocate_bundles(r, t)]
+        return [bundle.get("GPU", 0.0) for bundle in colocate_bundles(r, t)] + judges
     world = actor_world_size(t)
     from relax_core.algorithms.spec import requirements
 
     helpers = len(requirements(cfg).model_roles) * helper_ranks(t)
-    return [r.num_gpus] * r.num_engines + [t.num_gpus] * (world + helpers)
+    return [r.num_gpus] * r.num_engines + [t.num_gpus] * (world + helpers) + judges
 
 
 def cluster_gpus(cluster: Any) -> tuple[str, int, int] | None:
@@ -278,7 +290,9 @@ def check_gpus(cfg: Any) -> None:
     GPUs do not count, so a CPU config validates the same anywhere.
     """
     r, t = cfg.rollout, cfg.trainer
-    for key, amount in (("rollout.num_gpus", r.num_gpus), ("trainer.num_gpus", t.num_gpus)):
+    judge_gpus = cfg.reward.judge.num_gpus if cfg.reward.judge is not None else 0.0
+    shares = (("rollout.num_gpus", r.num_gpus), ("trainer.num_gpus", t.num_gpus))
+    for key, amount in (*shares, ("reward.judge.num_gpus", judge_gpus)):
         if amount < 0 or (amount > 1 and not float(amount).is_integer()):
             raise RelaxUserError(
                 f"{key}={amount:g}: Ray gives a share of one GPU or whole GPUs (0 to 1, or 2, 3, ...)"
@@ -313,5 +327,6 @@ def check_gpus(cfg: Any) -> None:
             raise RelaxUserError(
                 f"the roles ask for {asked:g} GPUs (bundles of up to {max(gpu_bundles(cfg)):g}) but {given} "
                 f"gives {nodes} node(s) {per_node} each: raise {key} or lower rollout.num_engines/rollout.num_gpus/trainer.num_gpus"
+                + ("/reward.judge.num_gpus" if judge_gpus else "")
             )
         free[node] -= need

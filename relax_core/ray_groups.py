@@ -85,10 +85,13 @@ class RoleGroup:
         env_vars: list[dict[str, str]] | None = None,
         kwargs: dict[str, Any] | None = None,
         shared: SharedProcesses | None = None,
+        max_concurrency: int = 2,
     ) -> None:
         """``env_vars[i]``: extra environment of replica i (e.g. its ``torch.distributed`` rank);
         ``kwargs``: keyword arguments of every replica's constructor (e.g. the DataBus handle);
-        ``shared``: replica i lives in process i of these shared processes instead of its own actor."""
+        ``shared``: replica i lives in process i of these shared processes instead of its own actor;
+        ``max_concurrency``: calls one actor runs at once (the default lets abort()/health() reach an actor
+        that is busy generating)."""
         self.name = name
         if pg is not None:  # Ray is imported only here: cluster=in_process runs where it is not installed
             import ray
@@ -118,7 +121,7 @@ class RoleGroup:
                 name=f"{name}-{i}" + (f"-r{attempt}" if attempt else ""),
                 num_cpus=num_cpus,
                 num_gpus=num_gpus,
-                max_concurrency=2,  # lets abort()/health() reach an actor that is busy generating
+                max_concurrency=max_concurrency,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=bundles[i]
                 ),

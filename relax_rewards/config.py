@@ -27,9 +27,10 @@ class JudgeConfig:
     # torch CPU threads per judge engine
     num_threads: int = 1
     dtype: str = "float32"
-    # the judge engines' CUDA_VISIBLE_DEVICES: "" runs them on the CPU; GPUs named here (e.g. "7") must be
-    # left out of the GPUs the run's Ray cluster hands its roles, or they share them
-    devices: str = ""
+    # what each judge engine reserves in Ray's placement (its own bundle, on any node with room): logical CPUs,
+    # and GPUs (0: the engine runs on the CPU and sees no GPU; 1: a GPU of its own, which no other role gets)
+    num_cpus: float = 0.5
+    num_gpus: float = 0.0
     # samples one judge engine decodes together (concurrent judge requests share decode steps)
     max_running: int = 64
     # a judge engine not answering /health by then stops the launch with one line

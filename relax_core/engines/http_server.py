@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import stat
 import sys
 import threading
@@ -514,6 +515,32 @@ def build_server_engine(
     return engine, tokenizer
 
 
+def guard_process_group(owner_pid: int) -> None:
+    """Fork a watchdog that SIGKILLs this server's process group (vLLM's engine-core children included) once
+    the process that started the server (a Rollout or judge engine actor) or the server itself is gone: no orphan engines.
+
+    A process of its own, because a Ray worker that exits kills its direct children (this server) by PID,
+    which would leave vLLM's engine core running if the watch lived in the server.
+    """
+    server_pid = os.getpid()
+    if os.fork() != 0:
+        return
+    try:
+        while os.getppid() == server_pid and _alive(owner_pid):  # orphaned the moment the server dies
+            time.sleep(1.0)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def serve(app: FastAPI, engine: Any, host: str, port: int) -> None:
     """Run ``app`` until SIGINT/SIGTERM; the signal first aborts the engine's work, so requests stuck in
     it (a paused engine, a long generation) answer at once and the server exits."""
@@ -554,6 +581,7 @@ def main(argv: list[str] | None = None) -> None:
         help="folder /update_weights_from_disk may load from (repeatable; default: the working directory)",
     )
     parser.add_argument("--token", default=os.environ.get("RELAX_ENGINE_TOKEN"), help="bearer token")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit with every child once it is gone")
     parser.add_argument(
         "--kv-cache-gb", type=float, default=None, help="KV cache limit (default: a quarter of the memory)"
     )
@@ -568,6 +596,8 @@ def main(argv: list[str] | None = None) -> None:
         check_security(args.host, args.token, "--host", "--token (or RELAX_ENGINE_TOKEN)")
     except RelaxUserError as err:
         sys.exit(f"error: {err}")
+    if args.parent_pid:
+        guard_process_group(args.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
-import time
 import uuid
 from typing import Any
 
 from pydantic import BaseModel
 
 # the request bodies Relax's own engine server accepts (one SGLang-compatible API for both)
-from relax_core.engines.http_server import AbortBody, GenerateBody, PauseBody
+from relax_core.engines.http_server import AbortBody, GenerateBody, PauseBody, guard_process_group
 from relax_core.engines.http_server import UpdateWeightsBody as DiskBody
 
 WORKER_EXTENSION = "relax_core.engines.vllm_worker_ext.WeightLoaderExtension"
@@ -270,32 +267,6 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
     return app
 
 
-def _guard_process_group(owner_pid: int) -> None:
-    """Fork a watchdog that SIGKILLs this server's process group (vLLM's engine-core children included) once
-    the process that started the server (a Rollout actor) or the server itself is gone: no orphan engines.
-
-    A process of its own, because a Ray worker that exits kills its direct children (this server) by PID,
-    which would leave vLLM's engine core running if the watch lived in the server.
-    """
-    server_pid = os.getpid()
-    if os.fork() != 0:
-        return
-    try:
-        while os.getppid() == server_pid and _alive(owner_pid):  # orphaned the moment the server dies
-            time.sleep(1.0)
-        os.killpg(os.getpgid(0), signal.SIGKILL)
-    finally:
-        os._exit(0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
@@ -313,7 +284,7 @@ def main() -> None:
     parser.add_argument("--parent-pid", type=int, default=None)
     args = parser.parse_args()
     if args.parent_pid:
-        _guard_process_group(args.parent_pid)
+        guard_process_group(args.parent_pid)
 
     import uvicorn
     from vllm.engine.arg_utils import AsyncEngineArgs

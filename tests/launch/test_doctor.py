@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from relax_core.errors import RelaxUserError
 from relax_core.memory import GB, arch_from_config, engine_memory, estimate, trainer_memory
+from relax_core.placement import check_gpus
 from relax_core.validation import validate
 from relax_launch.cli import compose_config
 from relax_launch.doctor import main as doctor
@@ -224,7 +225,8 @@ def test_kv_cache_token_budget_sizes_the_torch_engines_cache_by_hand() -> None:
 
 def test_managed_judge_engines_are_processes_of_their_own_by_hand() -> None:
     """reward.judge: each judge engine is a CPU process holding the judge's weights and a dense KV cache of
-    its rows (a policy row plus the verdict's tokens); on a GPU run it is a note, off the GPUs' table."""
+    its rows (a policy row plus the verdict's tokens); on a GPU run a CPU judge is a note, off the GPUs' table,
+    and a GPU judge (reward.judge.num_gpus) takes GPUs of its own."""
     cfg = _cfg(["reward=genrm", "reward.judge.model=tiny_qwen3", "reward.judge.num_engines=2"])
     report = estimate(cfg)
     judges = [d for d in report.devices if d.name.startswith("process judge engine")]
@@ -237,9 +239,20 @@ def test_managed_judge_engines_are_processes_of_their_own_by_hand() -> None:
     # the model's weights and the decode layout's fused [q; k; v] and [gate; up] copies
     assert items["engine_weights"] == arch.params * 4 + 4 * 128 * (128 + 2 * 64 + 2 * 384) * 4
     assert items["kv_cache"] == 2 * arch.num_layers * rows * tokens * arch.kv_dim * 4
-    gpu = estimate(_cfg(["experiment=dapo_math_qwen3_4b", "reward=genrm", "reward.judge.model=tiny_qwen3"]))
-    assert not any("judge" in d.name for d in gpu.devices)
+    recipe = ["experiment=dapo_math_qwen3_4b", "reward=genrm", "reward.judge.model=tiny_qwen3"]
+    gpu = estimate(_cfg(recipe))
+    assert not any("judge" in r.role for d in gpu.devices for r in d.roles)
     assert any(n.startswith("1 judge engine(s) on the CPU") for n in gpu.notes)
+    # reward.judge.num_gpus: each engine's bundle takes a GPU of its own, past the roles' GPUs
+    placed = estimate(_cfg([*recipe, "reward.judge.num_engines=2", "reward.judge.num_gpus=1"]))
+    judged = [d for d in placed.devices if any("judge" in r.role for r in d.roles)]
+    assert [[r.role for r in d.roles] for d in judged] == [
+        ["judge engine (torch, float32) 0"],
+        ["judge engine (torch, float32) 1"],
+    ]
+    assert len(placed.devices) == len(gpu.devices) + 2
+    with pytest.raises(RelaxUserError, match=r"reward.judge.num_gpus$"):  # 8 GPUs for the roles, no room left
+        check_gpus(_cfg([*recipe, "reward.judge.num_gpus=1"]))
 
 
 def test_chunked_logprobs_size_the_logit_buffers_by_hand() -> None:

@@ -3,11 +3,12 @@ two workers with 1 each): each node has its own 127.0.0.1, so a group that met o
 never form, and its own /dev/shm, so shared memory that crossed nodes would hand an engine zeros.
 
 One cluster serves every test of this module, in the order written: the training runs first (they need the
-three nodes as started), then the async run that loses a node and gets it back, then the colocate run that
-loses a node for good and takes a joining one.
+three nodes as started), then the judge that loses its node, which comes back, then the async run that loses
+a node and gets it back, then the colocate run that loses a node for good and takes a joining one.
 
 - Training ranks: FSDP and megatron groups meet wherever Ray puts their ranks, sharded checkpoints written by
   ranks on two nodes resume exactly, and a run dir one node cannot see is refused at launch.
+- A GenRM judge engine on a worker serves the driver's router on the head, and moves when its node dies.
 - Rollout engines on other nodes than the Actor: each gets the weights through the channel that reaches it,
   an engine's node dying mid-run is survived, and a node joining mid-run takes the engine a scale-out adds.
 """
@@ -172,6 +173,49 @@ def _steps(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir) if "reward/mean" in r]
 
 
+# the judge's engine placed on a worker (the head's CPUs held), scored from the head, its node lost, scored again
+JUDGE_ON_A_WORKER = """
+import json, sys, time
+import ray
+from ray.util.placement_group import placement_group
+from relax_core.config import RelaxConfig
+from relax_core.judge import start_judge
+from relax_core.placement import bundle_nodes
+from relax_rewards import RewardExecutor, RewardItem
+from relax_rewards.config import JudgeConfig, RewardConfig
+
+ray.init(address=sys.argv[1], logging_level="ERROR")
+ray.get(placement_group([{"CPU": 2}]).ready())  # the head's CPUs: the judge's bundle goes to a worker
+cfg = RelaxConfig(output_dir=sys.argv[2])
+judge = JudgeConfig(model="tiny_qwen3", num_cpus=1, health_interval_s=0.5, wait_s=1.0, hang_timeout_s=5.0)
+cfg.reward = RewardConfig(name="genrm", judge=judge)
+group = start_judge(cfg)
+items = [RewardItem(f"s{i}", str(i), "3", {"question": "1+2?"}, group_id=i) for i in range(4)]
+kwargs = {"url": cfg.reward.kwargs["url"], "template": "{question} {response}", "verdict_pattern": "^",
+          "correct_verdict": "", "sampling_params": {"max_new_tokens": 2}}
+def scores():
+    with RewardExecutor(RewardConfig(name="genrm", num_workers=0, kwargs=kwargs)) as ex:
+        return [o.reward for o in ex.score(items)]
+def report(**extra):
+    print(json.dumps({"node": bundle_nodes(group.pg)[0], "scores": scores(), **extra}), flush=True)
+report()
+sys.stdin.readline()  # the test lost the judge's node
+while not (group.restarts and group.router.keys(routable_only=True)):
+    time.sleep(0.5)
+report(restarts=group.restarts)
+group.stop()
+"""
+
+
+def _report(job: subprocess.Popen) -> dict | None:
+    """The next JSON line ``job`` prints (Ray writes lines of its own there too); None at its end."""
+    for line in job.stdout:
+        if line.startswith("{"):
+            return json.loads(line)
+        print(line, end="")
+    return None
+
+
 # a Source on the head and a consumer pinned to a worker, asked for forced shared memory
 FORCED_SHM = """
 import ray, sys
@@ -192,6 +236,35 @@ try:
 except RelaxUserError as err:
     print(err)
 """
+
+
+def test_a_judge_engine_on_a_worker_serves_the_head_and_moves_when_its_node_is_lost(
+    cluster: NetnsCluster, tmp_path: Path
+) -> None:
+    """reward.judge in Ray's placement: with the head's CPUs held, the judge engine's bundle lands on a
+    worker, where its server listens on that node's own 127.0.0.1; the router on the head reaches it through
+    the engine's actor. The worker dies: the bundle moves to the other worker, a new actor serves there."""
+    argv = [sys.executable, "-c", JUDGE_ON_A_WORKER, cluster.address, str(tmp_path)]
+    job = cluster.popen(0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    lost = None
+    try:
+        first = _report(job)
+        assert first is not None, job.communicate(timeout=60)
+        workers = {cluster.node_ip(1), cluster.node_ip(2)}
+        assert first["node"] in workers and first["scores"] == [1.0] * 4, first
+        lost = int(first["node"].rsplit(".", 1)[1]) - 1
+        cluster.kill_node(lost)
+        job.stdin.write("lost\n")
+        job.stdin.flush()
+        second = _report(job)
+        assert second is not None and job.wait(timeout=120) == 0, job.communicate(timeout=60)
+        assert second["node"] == (workers - {first["node"]}).pop(), second
+        assert second["scores"] == [1.0] * 4 and second["restarts"] >= 1, second
+    finally:
+        if job.poll() is None:
+            job.kill()
+        if lost is not None:
+            cluster.start_node(lost)  # the next tests need the three nodes
 
 
 def test_async_run_loses_an_engine_or_actor_node_and_finishes_from_its_checkpoint(

@@ -1,6 +1,6 @@
-"""The managed GenRM judge (relax_core/judge.py): a tiny random judge engine process Relax starts, scores
-through its router, counts garbage and a judge that is down, and is restarted after its process is killed
-and after it hangs."""
+"""The managed GenRM judge (relax_core/judge.py): a tiny random judge engine Relax places in Ray, scores
+through its router, counts garbage and a judge that is down, and is restarted after its server is killed,
+after it hangs and after its actor is lost."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import relax_rewards
-from relax_core.config import RelaxConfig
+from relax_core import handles
+from relax_core.config import InProcessClusterConfig, RelaxConfig
 from relax_core.engines.server_process import group_members
 from relax_core.engines.vllm import vllm_unavailable_reason
 from relax_core.judge import start_judge
@@ -38,7 +39,20 @@ def score(url: str, **parser: str) -> list[tuple[float, dict[str, float]]]:
     return [(o.reward, o.extras) for o in outcomes]
 
 
-def test_managed_judge_scores_counts_garbage_and_restarts(tmp_path: Path) -> None:
+@pytest.fixture
+def ray_cluster():
+    """A local Ray cluster of 2 logical CPUs, for the judge's placement group."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_placed_judge_scores_counts_garbage_and_restarts(tmp_path: Path, ray_cluster) -> None:
+    """The judge engine is a Ray actor in its own placement group: Ray counts its CPUs, its server is
+    restarted when killed and when hung, and the actor is replaced when it is killed."""
+    ray = ray_cluster
     cfg = RelaxConfig(output_dir=str(tmp_path))
     cfg.reward = RewardConfig(
         name="genrm",
@@ -47,9 +61,16 @@ def test_managed_judge_scores_counts_garbage_and_restarts(tmp_path: Path) -> Non
     judge = start_judge(cfg)
     assert judge is not None
     url = cfg.reward.kwargs["url"]
-    pid = judge.engines[0].process.pid
+    server_pids = []
+
+    def server_pid() -> int:
+        server_pids.append(handles.get(judge.group.actors[0].pid.remote()))
+        return server_pids[-1]
+
+    pid = server_pid()
     try:
-        # the judge sees no GPU unless reward.judge.devices names one: it never shares a role's
+        assert ray.available_resources()["CPU"] == 1.5  # the judge's bundle holds reward.judge.num_cpus
+        # a CPU judge sees no GPU of its node: it never shares a role's
         assert b"\0CUDA_VISIBLE_DEVICES=\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
         # a random judge answers garbage: no verdict, scored 0 and counted
         garbage = score(url)
@@ -63,18 +84,32 @@ def test_managed_judge_scores_counts_garbage_and_restarts(tmp_path: Path) -> Non
         assert all(r == 0.0 and ex["judge_errors"] == 1.0 for r, ex in down)  # down: a counted 0
         wait_until_serving_again(judge, restarts=1)
         assert [r for r, _ in score(url, verdict_pattern="^", correct_verdict="")] == [1.0] * 8
-        restarted = judge.engines[0].process.pid
+        restarted = server_pid()
         assert restarted != pid
 
         os.killpg(restarted, signal.SIGSTOP)  # alive, but answers nothing: hung
         wait_until_serving_again(judge, restarts=2)
         assert not group_members(restarted)  # the hung engine was killed, not left stopped
-        assert judge.metrics() == {"judge/restarts": 2.0}
+
+        # the engine's actor is lost (as with its node): a new actor in the same bundle, and its old
+        # server follows the actor out (--parent-pid)
+        ray.kill(judge.group.actors[0], no_restart=True)
+        wait_until_serving_again(judge, restarts=3)
+        assert judge.metrics() == {"judge/restarts": 3.0}
         assert [r for r, _ in score(url, verdict_pattern="^", correct_verdict="")] == [1.0] * 8
-        last = judge.engines[0].process.pid
+        assert server_pid() != server_pids[-2]
+        wait_for(lambda: not group_members(server_pids[-2]), "the lost actor's server to exit")
     finally:
         judge.stop()
-    assert not group_members(last)
+    assert not any(group_members(p) for p in server_pids)
+    wait_for(lambda: ray.available_resources().get("CPU") == 2.0, "the judge's placement group to go")
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, f"waited 60 s for {what}"
+        time.sleep(0.2)
 
 
 VLLM_REASON = vllm_unavailable_reason()
@@ -86,13 +121,14 @@ VLLM_REASON = vllm_unavailable_reason()
 )
 def test_vllm_judge_engine_scores_through_the_router(tmp_path: Path) -> None:
     """``reward.judge.engine=vllm``: the judge engine is vLLM's server in vLLM's interpreter, taking the
-    judge's text prompt and answering text: garbage is a counted 0, a verdict scores."""
-    cfg = RelaxConfig(output_dir=str(tmp_path))
+    judge's text prompt and answering text: garbage is a counted 0, a verdict scores. With
+    ``cluster=in_process`` the engine's role is an object in this process."""
+    cfg = RelaxConfig(output_dir=str(tmp_path), cluster=InProcessClusterConfig())
     cfg.reward = RewardConfig(name="genrm", judge=JudgeConfig(model="tiny_qwen3", engine="vllm"))
     judge = start_judge(cfg)
     assert judge is not None
     try:
-        assert "relax_core.engines.vllm_server" in judge.engines[0].launch.command
+        assert "relax_core.engines.vllm_server" in judge.group.actors[0].role.launch.command
         url = cfg.reward.kwargs["url"]
         garbage = score(url)
         assert all(r == 0.0 and ex == {"judge_parse_errors": 1.0, "judge_errors": 0.0} for r, ex in garbage)
