@@ -53,8 +53,8 @@ MOE_FAMILIES = ("qwen3_moe", "qwen3_vl_moe", "qwen3_omni")
 
 def _check_routing_replay(cfg: RelaxConfig) -> None:
     """``algorithm.routing_replay=true`` needs an MoE model, the torch engine (the one that records the experts;
-    vLLM's and SGLang's per-token routing output is not wired up) and the single-process torch trainer in
-    mode=colocate with single-turn rollouts (the only path that carries the routing to the Actor)."""
+    vLLM's and SGLang's per-token routing output is not wired up) and the single-process torch trainer, with
+    single-turn rollouts (the samples that carry routing to the Actor, in the batch or over the data bus)."""
     problem = None
     if cfg.model.family not in MOE_FAMILIES:
         problem = f"model.family={cfg.model.family} routes no tokens to experts (MoE families: {list(MOE_FAMILIES)})"
@@ -64,8 +64,6 @@ def _check_routing_replay(cfg: RelaxConfig) -> None:
         )
     elif cfg.trainer.backend != "torch" or cfg.trainer.fsdp:
         problem = f"trainer.backend={cfg.trainer.backend} (fsdp={cfg.trainer.fsdp}) does not replay routing; use trainer=torch"
-    elif cfg.mode.name != "colocate":
-        problem = f"mode={cfg.mode.name} does not carry routing over the data bus yet; use mode=colocate"
     elif cfg.rollout.env is not None or cfg.rollout.agent is not None:
         problem = "multi-turn episodes (rollout.env / rollout.agent) carry no routing"
     if problem:

@@ -24,6 +24,11 @@ SAMPLE_FIELDS = [
 # only the first row of a write that carries it holds the bytes ("media") and every row names the position
 # of that row ("media_from", -1: no media); a consumer that runs the model reads both (:func:`get_rows`)
 MEDIA_FIELDS = ["media", "media_from"]
+# a sample's recorded MoE routing (algorithm.routing_replay: ``Sample.routing``, empty when none), which the
+# Actor's forwards replay
+ROUTING_FIELD = "routing"
+# what a role that runs the model on the rows reads besides SAMPLE_FIELDS
+FORWARD_FIELDS = [*MEDIA_FIELDS, ROUTING_FIELD]
 
 
 def encode_media(inputs: dict[str, Any]) -> torch.Tensor:
@@ -88,13 +93,14 @@ def sample_rows(
         "group_id": [torch.tensor(s.group_id, dtype=torch.long) for s in samples],
         "policy_version": [torch.tensor(s.policy_version, dtype=torch.long) for s in samples],
     }
+    fields[ROUTING_FIELD] = [encode_routing(s.routing) for s in samples]
     return keys, fields | media_columns(samples, keys)
 
 
 def batch_from_rows(rows: Fields, pad_token_id: int, extras: list[str] = ()) -> TrainBatch:
     """A right-padded TrainBatch of bus rows; ``extras`` are per-token fields aligned to the response.
-    Rows read with :data:`MEDIA_FIELDS` (:func:`get_rows`) get their multimodal inputs, one dict per holder
-    row shared by the rows that name it, as colocate's samples share their prompt's."""
+    Rows read with :data:`FORWARD_FIELDS` (:func:`get_rows`) get their multimodal inputs, one dict per holder
+    row shared by the rows that name it, as colocate's samples share their prompt's, and their routing."""
     n = len(rows["prompt_ids"])
     media: list[dict[str, Any] | None] = [None] * n
     if "media" in rows:
@@ -114,6 +120,7 @@ def batch_from_rows(rows: Fields, pad_token_id: int, extras: list[str] = ()) -> 
             reward=float(rows["reward"][i]),
             policy_version=int(rows["policy_version"][i]),
             multimodal_inputs=media[i],
+            routing=_routing(rows, i),
         )
         for i in range(n)
     ]
@@ -125,6 +132,27 @@ def batch_from_rows(rows: Fields, pad_token_id: int, extras: list[str] = ()) -> 
             col[i, : v.numel()] = v.float()
         batch.extras[name] = col
     return batch
+
+
+def encode_routing(routing: torch.Tensor | None) -> torch.Tensor:
+    """A sample's ``[tokens, layers, top_k]`` routing as one 1-d tensor of its dtype (the buses carry rows
+    flat): ``[layers, top_k]`` then the indices; empty for none."""
+    if routing is None:
+        return torch.empty(0, dtype=torch.uint8)
+    if max(routing.shape[1:]) > torch.iinfo(routing.dtype).max:
+        raise ValueError(f"routing of shape {tuple(routing.shape)} does not fit a {routing.dtype} header")
+    return torch.cat([torch.tensor(routing.shape[1:], dtype=routing.dtype), routing.reshape(-1)])
+
+
+def decode_routing(blob: torch.Tensor) -> torch.Tensor | None:
+    if not blob.numel():
+        return None
+    layers, top_k = (int(v) for v in blob[:2])
+    return blob[2:].reshape(-1, layers, top_k)
+
+
+def _routing(rows: Fields, i: int) -> torch.Tensor | None:
+    return decode_routing(rows[ROUTING_FIELD][i]) if ROUTING_FIELD in rows else None
 
 
 def per_sample(values: torch.Tensor, batch: TrainBatch) -> list[torch.Tensor]:

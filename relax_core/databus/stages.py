@@ -18,7 +18,7 @@ from relax_core.algorithm_roles import shape_rewards, with_spread
 from relax_core.algorithms.objective import micro_batch_weight, sequence_count
 from relax_core.databus.base import DataBus, Fields, PartitionCancelled, partition_name, sample_key
 from relax_core.databus.records import (
-    MEDIA_FIELDS,
+    FORWARD_FIELDS,
     SAMPLE_FIELDS,
     batch_from_rows,
     get_rows,
@@ -111,7 +111,7 @@ def score_stage(
         return {field: per_sample(score(batch), batch)}
 
     sharded = dist.is_initialized() and dist.get_world_size() > 1
-    need = SAMPLE_FIELDS + MEDIA_FIELDS  # the model sees each row's media
+    need = SAMPLE_FIELDS + FORWARD_FIELDS  # the model sees each row's media and routing
     waited = stream_stage(bus, step, total, need, task, chunk, fn, sharded=sharded)
     return {f"time/{task}_wait_s": waited}
 

@@ -38,7 +38,7 @@ from ray.util.placement_group import remove_placement_group
 from relax_core.algorithm_roles import dynamic_sampling_metrics
 from relax_core.algorithms.spec import requirements
 from relax_core.databus import BUS_CPUS, DATABUSES, DataBus, DataBusDown, partition_name, start_databus
-from relax_core.databus.records import MEDIA_FIELDS, SAMPLE_FIELDS
+from relax_core.databus.records import FORWARD_FIELDS, SAMPLE_FIELDS
 from relax_core.databus.stages import BusStep
 from relax_core.engines.base import SamplingParams
 from relax_core.errors import ClusterTooSmall, RelaxUserError
@@ -476,7 +476,7 @@ class AsyncMode(Mode):
         if st.training is None and s <= total and s < st.next_roll and not self._holds(st, s):
             rows = BusStep(
                 self.step_samples,
-                SAMPLE_FIELDS + MEDIA_FIELDS + list(needs.train_fields),
+                SAMPLE_FIELDS + FORWARD_FIELDS + list(needs.train_fields),
                 list(needs.train_fields),
             )
             self._launch(st, self.roles.actor, "train", ("train", s), s, rows)

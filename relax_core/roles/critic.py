@@ -10,7 +10,7 @@ from relax_core.algorithms.advantages import gae, last_token_rewards
 from relax_core.algorithms.value import clipped_value_loss
 from relax_core.backends.value_backend import ShardedValueBackend, ValueBackend
 from relax_core.databus import DataBus, partition_name, sample_key
-from relax_core.databus.records import MEDIA_FIELDS, SAMPLE_FIELDS, batch_from_rows, get_rows
+from relax_core.databus.records import FORWARD_FIELDS, SAMPLE_FIELDS, batch_from_rows, get_rows
 from relax_core.databus.stages import score_stage
 from relax_core.roles import use_threads
 from relax_core.samples import TrainBatch
@@ -56,7 +56,7 @@ class Critic:
             self.compute_values,
         )
         keys = [sample_key(i) for i in range(total)]
-        rows = get_rows(self.bus, partition_name(step), keys, SAMPLE_FIELDS + MEDIA_FIELDS + ["values"])
+        rows = get_rows(self.bus, partition_name(step), keys, SAMPLE_FIELDS + FORWARD_FIELDS + ["values"])
         return metrics | self.fit(batch_from_rows(rows, self.pad, ["values"]))
 
     def fit(self, batch: TrainBatch) -> dict[str, float]:

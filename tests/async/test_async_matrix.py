@@ -16,7 +16,7 @@ import torch
 
 from relax_core.algorithms.spec import requirements
 from relax_core.databus import InMemoryDataBus, partition_name, sample_key
-from relax_core.databus.records import MEDIA_FIELDS, SAMPLE_FIELDS, batch_from_rows, get_rows, sample_rows
+from relax_core.databus.records import FORWARD_FIELDS, SAMPLE_FIELDS, batch_from_rows, get_rows, sample_rows
 from relax_core.databus.stages import BusStep
 from relax_core.roles.actor import Actor
 from relax_core.samples import Sample
@@ -108,7 +108,7 @@ def test_bus_rows_carry_media_once_per_prompt() -> None:
     _, fields = sample_rows(samples, 0, keys)
     assert [len(m) > 0 for m in fields["media"]] == [True, False, True, False, False]
     bus.put(part, keys, fields)
-    need = SAMPLE_FIELDS + MEDIA_FIELDS
+    need = SAMPLE_FIELDS + FORWARD_FIELDS
     assert bus.ready(part, need) == sorted(keys)
     wanted = [sample_key(p) for p in (3, 7, 9, 6)]  # 3 and 7 without the rows holding their media
     batch = batch_from_rows(get_rows(bus, part, wanted, need), pad_token_id=0)
@@ -149,7 +149,7 @@ def test_megatron_actor_streamed_from_the_bus_takes_the_whole_batch_step(
     actor = Actor(cfg, str(tiny_model_dir), bus=bus)
     start = {k: v.clone() for k, v in actor.backend.state_dict().items()}
     extras = list(requirements(cfg).train_fields)
-    streamed = actor.train(1, BusStep(len(samples), SAMPLE_FIELDS + MEDIA_FIELDS + extras, extras))
+    streamed = actor.train(1, BusStep(len(samples), SAMPLE_FIELDS + FORWARD_FIELDS + extras, extras))
     actor.backend.load_state_dict(start)
     whole = actor.train(1, batch_from_rows(fields, actor.pad, extras))
     for key in ("loss", "grad_norm", "entropy"):

@@ -10,6 +10,9 @@ import torch
 
 from relax_core.backends.torch_backend import TorchBackend
 from relax_core.config import ModelConfig, TrainerConfig
+from relax_core.databus import InMemoryDataBus, partition_name
+from relax_core.databus.ray_bus import pack, unpack
+from relax_core.databus.records import FORWARD_FIELDS, SAMPLE_FIELDS, batch_from_rows, get_rows, sample_rows
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.torch_engine import TorchEngine
 from relax_core.errors import RelaxUserError
@@ -29,8 +32,8 @@ def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def rollout_batch(moe_folder: str) -> TrainBatch:
-    """8 samples (4 prompts x 2) of the torch engine with routing recorded, advantages of both signs."""
+def rollout_samples(moe_folder: str) -> list[Sample]:
+    """8 samples (4 prompts x 2) of the torch engine with routing recorded."""
     tok = load_tokenizer(moe_folder)
     model = load_causal_lm(moe_folder, family="qwen3_moe").eval()
     engine = TorchEngine(
@@ -53,7 +56,13 @@ def rollout_batch(moe_folder: str) -> TrainBatch:
                 i // 2, i % 2, prompt, r.output_ids, r.logprobs, [1] * len(r.output_ids), routing=r.routing
             )
         )
-    batch = TrainBatch.from_samples(samples, tok.pad_token_id)
+    return samples
+
+
+@pytest.fixture(scope="module")
+def rollout_batch(moe_folder: str, rollout_samples: list[Sample]) -> TrainBatch:
+    """The samples as a batch in hand (mode=colocate), advantages of both signs."""
+    batch = TrainBatch.from_samples(rollout_samples, load_tokenizer(moe_folder).pad_token_id)
     batch.extras["advantages"] = torch.linspace(-1.0, 1.0, len(batch)).unsqueeze(1) * batch.loss_mask
     return batch
 
@@ -115,6 +124,21 @@ def test_replay_keeps_router_gradients_also_through_checkpointed_recompute(
     rerun = router_grads(backend(moe_folder, True, router_noise=0.3, checkpointing=True))
     for a, b in zip(flat, rerun, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_routing_crosses_the_data_bus_and_replays_as_in_hand(
+    moe_folder: str, rollout_samples: list[Sample], rollout_batch: TrainBatch
+) -> None:
+    """mode=async: each row's routing travels the bus with its tokens (flat, as the Ray bus packs rows), and
+    the replaying Actor's log-probs of the rows read back equal those of the batch in hand."""
+    keys, fields = sample_rows(rollout_samples, 0)
+    bus, part = InMemoryDataBus(), partition_name(1)
+    bus.put(part, keys, unpack(pack(fields)))  # what the Ray bus's server holds
+    rows = unpack(pack(get_rows(bus, part, keys, SAMPLE_FIELDS + FORWARD_FIELDS)))
+    batch = batch_from_rows(rows, load_tokenizer(moe_folder).pad_token_id)
+    assert torch.equal(batch.routing, rollout_batch.routing)
+    replaying = backend(moe_folder, True, router_noise=0.05)
+    assert torch.equal(replaying.forward_logprobs(batch), replaying.forward_logprobs(rollout_batch))
 
 
 @pytest.mark.parametrize(
