@@ -14,7 +14,9 @@ layers, ~0.8M parameters, built by ``relax_models.tiny`` with the seed), the def
 step, <= 8 new tokens, temperature 1, lr 1e-3 with linear decay to 0 and no warm-up (TRL's default;
 ``trainer.lr_decay=linear trainer.min_lr_ratio=0`` in Relax), AdamW betas (0.9, 0.99), no weight decay,
 grad-norm clip 1, pure RL GRPO (no warm-start, no KL, no entropy bonus), one optimizer step per rollout batch,
-2 torch threads, fp32 (TRL's ``bf16`` default is turned off). Relax runs ``python -m relax_launch`` (colocate,
+2 torch threads, fp32 (TRL's ``bf16`` default is turned off), evaluation by greedy decoding alone (Relax's
+default eval set also samples 8 answers per prompt for pass@k before and after RL, which TRL does not).
+Relax runs ``python -m relax_launch`` (colocate,
 torch engine) twice: ``relax`` on Ray (``cluster=local``: a Ray node, the driver and one worker holding Actor
 and engine) and ``relax_in_process`` (``cluster=in_process``: no Ray, every role in the launcher's process);
 TRL runs ``GRPOTrainer`` (HF ``generate()`` in the training process). Prompt order differs (each tool's own
@@ -217,6 +219,7 @@ def relax_overrides(inputs: dict, steps: int, seed: int, threads: int, extra: li
         f"trainer.lr={LR}",
         f"trainer.betas=[0.9,{BETA2}]",
         f"trainer.eval_every={steps}",
+        "eval.sets.heldout.n_samples=0",  # TRL's evaluation is the greedy pass alone: no pass@k sampling
         "trainer.export_final_model=false",
         "algorithm=grpo",
         "algorithm.entropy_coef=0",

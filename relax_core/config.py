@@ -472,6 +472,8 @@ class TrainerConfig:
     sft_warmup_steps: int = 0
     sft_lr: float = 3e-3
     sft_batch_size: int = 64
+    # held-out evaluation every this many RL steps; the runs before and after training always evaluate
+    # (0: only those)
     eval_every: int = 25
     save_every: int = 0
     keep_last: int = 2
