@@ -359,8 +359,8 @@ def test_killed_server_is_unhealthy_and_shutdown_leaves_no_process(engine, token
 
 SERVER_LIKE = """
 import os, subprocess, sys, time
-from relax_core.engines.vllm_server import _guard_process_group
-_guard_process_group(int(sys.argv[1]))
+from relax_core.engines.http_server import guard_process_group
+guard_process_group(int(sys.argv[1]))
 subprocess.Popen(["sleep", "300"])  # stands in for vLLM's engine core, a child in the server's group
 time.sleep(300)
 """
@@ -373,7 +373,8 @@ time.sleep(300)
 
 
 def test_server_group_dies_with_the_process_that_started_it() -> None:
-    """A Rollout actor SIGKILLed (or its direct child, the server): the watchdog takes the whole group down."""
+    """A Rollout or judge engine actor SIGKILLed (or its direct child, the server): the watchdog that both engine
+    servers start (``--parent-pid``) takes the whole group down."""
     owner = subprocess.Popen([sys.executable, "-c", OWNER, SERVER_LIKE], stdout=subprocess.PIPE, text=True)
     server_pid = int(owner.stdout.readline())
     deadline = time.monotonic() + 30
