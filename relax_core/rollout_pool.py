@@ -28,7 +28,6 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relax_core import handles
@@ -44,11 +43,9 @@ if TYPE_CHECKING:
     from relax_core.config import RelaxConfig
 
 log = logging.getLogger("relax")
-# external servers load each version from an HF folder of the Actor's weights, which only colocate's
-# pauses between steps can write consistently
-EXTERNAL_NEEDS_COLOCATE = (
-    "external rollout engines (engine_urls) need mode=colocate; in mode=async scale out with num_replicas"
-)
+# the weight-transfer set of the external engines: they reload each version from an HF folder the Actor
+# writes (the disk channel)
+EXTERNAL = "external"
 
 
 class ScaleState(enum.StrEnum):
@@ -162,6 +159,7 @@ class RolloutPool(RoleGroup):
         self._seq = itertools.count()
         self.members: dict[str, Member] = {}
         self._version: int | None = None
+        self._folder_wanted = False  # an external engine joins: the next publish writes a folder
         self.transfer = None  # attach()
         self.requests: dict[str, ScaleRequest] = {}
         self.last_generate: dict[str, float] = {}
@@ -367,32 +365,28 @@ class RolloutPool(RoleGroup):
     def attach(self, transfer) -> None:
         """The run's :class:`~relax_core.weight_transfer.WeightTransfer`; its ``policy`` set is the launch
         engines. Scaled engines get each version through ``deliver``; external servers reload an HF folder
-        that the ``disk`` transport's source end (rank 0) writes here, in the driver."""
-        from relax_core.weight_transfer.base import transport
-        from relax_core.weight_transfer.disk import DiskSpec
-
+        that the Actor writes into the transfer's ``disk`` channel of the set ``external``."""
         self.transfer = transfer
-        spec = DiskSpec(str(Path(self.cfg.output_dir) / "rollout_weights"), self.model_path)
-        self._disk = transport("disk").open(spec, 0)
-        self._disk_path: tuple[int, str] | None = None
-
-    def _disk_folder(self, version: int) -> str:
-        """The weights of ``version`` as an HF folder under the run dir (external engines load it by path)."""
-        if self._disk_path is None or self._disk_path[0] != version:
-            state = handles.get(self.transfer.source.call("state_dict"))[0]  # collective on sharded Actors
-            self._disk_path = (version, self._disk.send(state, version))
-        return self._disk_path[1]
+        transfer.open_channel(EXTERNAL, "disk")
 
     def _sync_refs(self, members: list[Member]) -> list[tuple[Member, Any]]:
-        """Bring elastic ``members`` to the current version."""
+        """Bring elastic ``members`` to the newest published version; an external one whose folder that
+        publish did not write is left out (see :meth:`_await_folder`)."""
         refs = []
         for m in members:
-            if m.kind == "external":
-                folder = self._disk_folder(self._version)
-                refs.append((m, m.handle.update_weights_from_disk.remote(folder, self._version)))
-            elif m.kind == "scaled":
-                refs.append((m, self.transfer.deliver(m.handle)))
+            ref = self.transfer.deliver(m.handle, name=EXTERNAL if m.kind == "external" else "policy")
+            if ref is not None:
+                refs.append((m, ref))
         return refs
+
+    def _await_folder(self, deadline: float) -> None:
+        """External engines join while the newest publish wrote no folder (none served then): ask the
+        next publishes for one (until the caller clears ``_folder_wanted``) and return once one started;
+        the caller then takes ``weights_lock``, which that publish holds until it is done."""
+        self._folder_wanted = True
+        published = self._version
+        while self._version == published and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def start_push(
         self, version: int, names: tuple[str, ...] = ("policy",)
@@ -401,9 +395,11 @@ class RolloutPool(RoleGroup):
         (the sets' refs, (member, ref) per elastic member). The caller holds ``weights_lock`` until all
         finished, so a joining engine reads a finished version (mode=async overlaps this with training)."""
         self._version = version
-        refs = self.transfer.publish_refs(version, names)
         with self.lock:
             members = [m for m in self.members.values() if m.kind != "launch"]
+        if self._folder_wanted or any(m.kind == "external" for m in members):
+            names = (*names, EXTERNAL)
+        refs = self.transfer.publish_refs(version, names)
         return refs, self._sync_refs(members)
 
     def member_failed(self, member: Member, what: str = "weight push") -> None:
@@ -484,8 +480,6 @@ class RolloutPool(RoleGroup):
         """Start a scale-out to ``num_replicas`` engines in all, or join the external ``engine_urls``."""
         if (num_replicas is None) == (not engine_urls):
             raise ScaleError(400, "give exactly one of num_replicas (a target count) or engine_urls")
-        if engine_urls and self.bus is not None:
-            raise ScaleError(400, EXTERNAL_NEEDS_COLOCATE)
         limit = self.cfg.rollout.max_engines
         with self.lock:
             current = self.num_active()
@@ -572,10 +566,20 @@ class RolloutPool(RoleGroup):
                     req.errors.append(f"{m.url or m.id}: health check failed: {err}")
                 failed.append(m)
             self._set(req, ScaleState.WEIGHT_SYNCING)
+            external = any(m.kind == "external" for m in healthy)
+            if external and self._version is not None and not self.transfer.published_into(EXTERNAL):
+                self._await_folder(deadline)
             with self.weights_lock:  # no training push can slip between this sync and activation
+                self._folder_wanted = False
                 synced = []
                 if self._version is not None:
-                    for m, ref in self._sync_refs(healthy):
+                    refs = self._sync_refs(healthy)
+                    served = {id(m) for m, _ in refs}
+                    for m in healthy:
+                        if id(m) not in served:
+                            req.errors.append(f"{m.url}: no weights were published within {timeout:.0f}s")
+                            failed.append(m)
+                    for m, ref in refs:
                         try:
                             handles.get(ref)
                             synced.append(m)

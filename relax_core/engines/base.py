@@ -78,6 +78,21 @@ class GenerationResult:
     routing: torch.Tensor | None = None
 
 
+def read_weights_folder(folder: str) -> dict[str, torch.Tensor]:
+    """The state dict in the ``*.safetensors`` files of an HF folder."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
 class RolloutEngine(abc.ABC):
     """Generates continuations; ``generate`` returns ``n`` results per request, request-major."""
 
@@ -93,17 +108,7 @@ class RolloutEngine(abc.ABC):
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
         """Load weights from the ``*.safetensors`` files of an HF folder (SGLang's disk update)."""
-        from pathlib import Path
-
-        from safetensors.torch import load_file
-
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        self.update_weights(state, version)
+        self.update_weights(read_weights_folder(path), version)
 
     def pause(self) -> None:
         """Stop admitting new work (in-flight work finishes or is aborted per the engine)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -80,13 +81,20 @@ class ResumableEngine:
         return results
 
     def swap(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self._swapping(lambda: self.engine.update_weights(state_dict, version))
+
+    def swap_from_disk(self, folder: str, version: int) -> None:
+        """:meth:`swap` to the weights of an HF folder, which the engine (or its server) reads itself."""
+        self._swapping(lambda: self.engine.update_weights_from_disk(folder, version))
+
+    def _swapping(self, load: Callable[[], None]) -> None:
         self._swap_pending.set()
         try:
             while not self._lock.acquire(timeout=0.01):
                 if self.partial_rollout == "abort":
                     self.engine.abort()
             try:
-                self.engine.update_weights(state_dict, version)
+                load()
                 self.swaps += 1
             finally:
                 self._lock.release()

@@ -51,7 +51,7 @@ from relax_core.roles.advantages import Advantages
 from relax_core.roles.critic import Critic
 from relax_core.roles.reference import Reference
 from relax_core.roles.teacher import Teacher
-from relax_core.rollout_pool import EXTERNAL_NEEDS_COLOCATE, Member, RolloutPool
+from relax_core.rollout_pool import Member, RolloutPool
 from relax_core.samples import PromptRecord, RolloutRound, Sample
 from relax_core.weight_transfer import WeightTransfer
 
@@ -710,8 +710,6 @@ def overlap_metrics(rollout_s: float, busy_s: float, publish_s: float, interval_
 def validate_async(cfg: RelaxConfig) -> None:
     """Rules of ``mode=async`` that types cannot express (called from :func:`relax_core.validation.validate`)."""
     m = cfg.mode
-    if cfg.rollout.engine_urls:
-        raise RelaxUserError(f"rollout.engine_urls: {EXTERNAL_NEEDS_COLOCATE}")
     across_processes = [
         name for name in DATABUSES.names() if BUS_CPUS[name]
     ]  # the memory bus is one process's

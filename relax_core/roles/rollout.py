@@ -160,9 +160,9 @@ class Rollout(WeightReceiver, BusProducer):
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self.engine.swap(state_dict, version)
 
-    def update_weights_from_disk(self, path: str, version: int) -> None:
-        """Weights from an HF folder (external engines load it themselves, by path)."""
-        self.engine.update_weights_from_disk(path, version)
+    def load_weights_folder(self, folder: str, version: int) -> None:
+        """Weights from an HF folder (the ``disk`` channel; external engine servers load it themselves)."""
+        self.engine.swap_from_disk(folder, version)
 
     def health(self) -> bool:
         return self.engine.health()

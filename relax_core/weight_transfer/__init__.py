@@ -53,8 +53,10 @@ class WeightTransfer:
         self.sets: dict[str, list[Any]] = {}
         self.routes: dict[str, list[str]] = {}  # set name -> each consumer's strategy
         self.stats = TransferStats()
-        # (version, payload ref, send-done ref, channel keys) of the newest publish
-        self._latest: tuple[int, Any, Any, set[str]] | None = None
+        # (version, payload ref per channel key, send-done ref) of the newest publish
+        self._latest: tuple[int, dict[str, Any], Any] | None = None
+        # consumer sets served by one channel that members join and leave (external engines: disk), by name
+        self.open_channels: dict[str, str] = {}
         self._sent_bytes: ray.ObjectRef | None = None  # what the newest publish moved (the source says)
         # names this run's channel resources (shared-memory files start with it: a dead driver's are found)
         self.tag = f"relax-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -131,24 +133,40 @@ class WeightTransfer:
         """Keep a copy of the current weights as ``version`` on every source rank (async: publish later)."""
         return self.source.call("weights_snapshot", version)
 
+    def open_channel(self, name: str, strategy: str) -> None:
+        """Open the source's end of a channel for consumer set ``name``, whose members (engine servers that
+        join and leave by URL) are reached only through :meth:`deliver`. A publish that names ``name``
+        sends into it even while no member is there, so a joining one finds that version."""
+        key = f"{strategy}:{name}"
+        spec = transport(strategy).spec(self, name, [])
+        handles.get(self.source.actors[0].source_connect.remote(key, strategy, spec))
+        self.open_channels[name] = key
+
+    def published_into(self, name: str) -> bool:
+        """Whether the newest publish sent into the :meth:`open_channel` of set ``name``."""
+        return self._latest is not None and self.open_channels.get(name) in self._latest[1]
+
     def publish_refs(self, version: int, names: tuple[str, ...] = ("policy",)) -> list[ray.ObjectRef]:
-        names = tuple(n for n in names if self.sets.get(n))
-        if not names:
+        """Start publishing ``version`` into the channels of the sets ``names``; returns the refs that finish
+        once the source sent it and every member of those sets loaded it (the first is the send's seconds)."""
+        keys = {f"{s}:{n}" for n in names for s in self.routes.get(n, [])}
+        keys |= {self.open_channels[n] for n in names if n in self.open_channels}
+        if not keys:
             return []
-        # the channel whose payload consumers read (object store, disk) goes last: the source returns the
-        # payload of its last channel
-        keys = sorted(
-            {f"{s}:{n}" for n in names for s in self.routes[n]},
-            key=lambda k: list(TRANSPORTS).index(k.split(":", 1)[0]),
-        )
-        sends = [a.weights_send.options(num_returns=3).remote(keys, version) for a in self.source.actors]
-        payload, sent_bytes, send_s = sends[0]
-        refs = [send_s, sent_bytes] + [r for extra in sends[1:] for r in extra]
+        keys = sorted(keys, key=lambda k: list(TRANSPORTS).index(k.split(":", 1)[0]))
+        sends = [
+            a.weights_send.options(num_returns=2 + len(keys)).remote(keys, version)
+            for a in self.source.actors
+        ]
+        send_s, sent_bytes, *payload_refs = sends[0]
+        payloads = dict(zip(keys, payload_refs, strict=True))
+        refs = [send_s, sent_bytes] + [r for extra in sends[1:] for r in extra[:2]]
         for name in names:
-            for consumer, route in zip(self.sets[name], self.routes[name], strict=True):
-                arg = TRANSPORTS[route].receive_argument(payload, send_s)
-                refs.append(consumer.weights_receive.remote(f"{route}:{name}", arg, version))
-        self._latest = (version, payload, send_s, set(keys))
+            for consumer, route in zip(self.sets.get(name, []), self.routes.get(name, []), strict=True):
+                key = f"{route}:{name}"
+                arg = TRANSPORTS[route].receive_argument(payloads[key], send_s)
+                refs.append(consumer.weights_receive.remote(key, arg, version))
+        self._latest = (version, payloads, send_s)
         self._sent_bytes = sent_bytes
         return refs
 
@@ -165,14 +183,30 @@ class WeightTransfer:
         sent = handles.get(self._sent_bytes) if self._sent_bytes is not None else 0
         self.stats = TransferStats(version, int(sent), seconds)
 
-    def deliver(self, consumer: Any, version: int | None = None) -> ray.ObjectRef:
-        """Bring ``consumer`` to the newest published version (or ``version`` straight from the source)."""
+    def deliver(
+        self, consumer: Any, version: int | None = None, name: str = "policy"
+    ) -> ray.ObjectRef | None:
+        """Bring ``consumer`` to the newest published version (or ``version`` straight from the source).
+
+        A member of an :meth:`open_channel` set ``name`` reads that channel's newest version; None when the
+        newest publish did not send into it (the caller waits for a publish that names ``name``)."""
+        if name in self.open_channels:
+            key = self.open_channels[name]
+            if not self.published_into(name):
+                return None
+            route = key.split(":", 1)[0]
+            spec = transport(route).spec(self, name, [consumer])
+            handles.get(consumer.weights_connect.remote(key, route, spec, 1))
+            v, payloads, sent = self._latest
+            return consumer.weights_receive.remote(
+                key, transport(route).receive_argument(payloads[key], sent), v
+            )
         (route,), nodes = consumer_strategies(
             self.strategy, self.mode, self.source, [consumer], self.layout, strict=False, cross="object_store"
         )
         key = f"{route}:policy"
         late = transport(route)
-        if self._latest is None or version is not None or key not in self._latest[3] or late.fixed_members:
+        if self._latest is None or version is not None or key not in self._latest[1] or late.fixed_members:
             # no channel of its kind was published into (or a broadcast group, whose members are fixed):
             # the newcomer gets the weights through the object store
             if self.mode == "async" and version is None:  # the Actor trains on: its weights are newer
@@ -186,12 +220,14 @@ class WeightTransfer:
             weights = self.source.call("state_dict")[0]  # every rank gathers; rank 0 returns the weights
             return consumer.weights_receive.remote(None, weights, v)
         self._log_routes({"a late consumer": consumer}, [route], nodes)
-        v, payload, sent, _ = self._latest
+        v, payloads, sent = self._latest
         handles.get(consumer.weights_connect.remote(key, route, late.spec(self, "policy", [consumer]), 1))
-        return consumer.weights_receive.remote(key, late.receive_argument(payload, sent), v)
+        return consumer.weights_receive.remote(key, late.receive_argument(payloads[key], sent), v)
 
     def close(self) -> None:
-        for name in {route for routes in self.routes.values() for route in routes}:
+        used = {route for routes in self.routes.values() for route in routes}
+        used |= {key.split(":", 1)[0] for key in self.open_channels.values()}
+        for name in used:
             TRANSPORTS[name].close(self)
 
 

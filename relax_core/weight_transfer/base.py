@@ -43,8 +43,7 @@ from relax_core.weight_transfer.disk import DiskTransport
 from relax_core.weight_transfer.in_process import InProcessTransport
 from relax_core.weight_transfer.shared_memory import SharedMemoryTransport
 
-# every strategy by name, in publish order: the channels whose payload consumers read (disk, object store)
-# go last, since the source returns the payload of its last channel
+# every strategy by name, in the order the source sends into a publish's channels
 TRANSPORTS: dict[str, Transport] = {
     t.name: t
     for t in (
@@ -118,19 +117,18 @@ class WeightSource(_WeightEndpoint):
             self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self._snapshots[version] = self.backend.state_dict()
 
-    def weights_send(self, keys: list[str], version: int) -> tuple[Any, int, float]:
+    def weights_send(self, keys: list[str], version: int) -> tuple[Any, ...]:
         """Send version ``version`` (its snapshot, else the current weights) into the channels ``keys``;
-        returns (payload of the last channel, bytes, seconds)."""
+        returns (seconds, bytes, then each channel's payload in the order of ``keys``)."""
         t = time.perf_counter()
         snapshots = getattr(self, "_snapshots", {})
         state = snapshots.pop(version, None) or self.backend.state_dict()
         for older in [v for v in snapshots if v < version]:  # never sent (a recovery skipped them)
             del snapshots[older]
-        payload = None
+        payloads = [None] * len(keys)
         if getattr(self, "rank", 0) == 0:  # model-parallel ranks only take part in gathering the weights
-            for key in keys:
-                payload = self._weight_channels()[key].send(state, version)
-        return payload, nbytes(layout_of(state)) * len(keys), time.perf_counter() - t
+            payloads = [self._weight_channels()[key].send(state, version) for key in keys]
+        return time.perf_counter() - t, nbytes(layout_of(state)) * len(keys), *payloads
 
 
 class WeightReceiver(_WeightEndpoint):
@@ -138,6 +136,13 @@ class WeightReceiver(_WeightEndpoint):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         raise NotImplementedError
+
+    def load_weights_folder(self, folder: str, version: int) -> None:
+        """Version ``version`` from an HF folder (the ``disk`` channel); a role whose engine server reloads
+        folders by path overrides it."""
+        from relax_core.engines.base import read_weights_folder
+
+        self.load_weights(read_weights_folder(folder), version)
 
     def weights_connect(self, key: str, strategy: str, spec: Any, rank: int) -> None:
         channels = self._weight_channels()
@@ -148,8 +153,10 @@ class WeightReceiver(_WeightEndpoint):
         """Read version ``version`` from channel ``key`` (None: ``payload`` is the state dict itself) and
         load it; returns the seconds it took."""
         t = time.perf_counter()
-        state = payload if key is None else self._weight_channels()[key].receive(payload)
-        self.load_weights(state, version)
+        if key is None:
+            self.load_weights(payload, version)
+        else:
+            self._weight_channels()[key].deliver(self, payload, version)
         return time.perf_counter() - t
 
 

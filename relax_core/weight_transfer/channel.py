@@ -53,6 +53,10 @@ class Channel(abc.ABC):
     def receive(self, payload: Any) -> dict[str, torch.Tensor]:
         """Consumer side: the state dict that :meth:`send` put in (``payload`` is its return value)."""
 
+    def deliver(self, receiver: Any, payload: Any, version: int) -> None:
+        """Consumer side: load what :meth:`send` put in into ``receiver`` (a :class:`WeightReceiver`)."""
+        receiver.load_weights(self.receive(payload), version)
+
     def close(self) -> None:
         """Release the channel's resources."""
 

@@ -1,6 +1,7 @@
 """``disk``: each version becomes an HF folder (safetensors + the base model's config and tokenizer) under
-the run dir, for engines that can only reload from files (external SGLang-compatible servers). The folder
-of the newest ``keep`` versions stay; older ones are deleted as new ones arrive."""
+the run dir, for engines that can only reload from files (external SGLang-compatible servers). The folders
+of the newest ``keep`` versions stay; older ones are deleted as new ones arrive. The source (the Actor's
+rank 0) writes it, from the version's snapshot in mode=async; consumers are handed the folder's path."""
 
 from __future__ import annotations
 
@@ -41,12 +42,13 @@ class DiskChannel(Channel):
         return str(folder.resolve())
 
     def receive(self, payload: str) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
+        from relax_core.engines.base import read_weights_folder
 
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(payload).glob("*.safetensors")):
-            state.update(load_file(str(f)))
-        return state
+        return read_weights_folder(payload)
+
+    def deliver(self, receiver: Any, payload: str, version: int) -> None:
+        """The consumer gets the folder's path: an engine server that reloads folders reads it itself."""
+        receiver.load_weights_folder(payload, version)
 
     def close(self) -> None:
         for folder in self.folders:

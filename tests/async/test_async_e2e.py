@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from relax_core.rollout_pool import TERMINAL
+from relax_models.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +136,8 @@ def _until(what: str, check, timeout: float = 300) -> Any:
 
 
 def _scale_mid_run(out: Path, http: httpx.Client) -> None:
-    """Scale out to 2 engines and back to 1 through the control plane while the run trains."""
+    """Scale out to 2 engines and back to 1 through the control plane while the run trains, then join an
+    external engine by URL and let it go."""
 
     def finish(kind: str, reply: httpx.Response) -> dict:
         assert reply.status_code == 202, reply.text
@@ -161,6 +163,7 @@ def _scale_mid_run(out: Path, http: httpx.Client) -> None:
         finish("scale_in", http.post("/rollout/scale_in", json={"num_replicas": 1}))["status"] == "COMPLETED"
     )
     assert [e["kind"] for e in http.get("/rollout/engines").json()["engines"]] == ["launch"]
+    _join_external_engine(out, http, finish, steps)
     after = len(steps())
     _until("a step after the scale-in", lambda: len(steps()) > after + 1)
     done = steps()
@@ -169,6 +172,50 @@ def _scale_mid_run(out: Path, http: httpx.Client) -> None:
     for r in done:  # every generated sample was trained: nothing lost or generated twice
         assert r["samples/generated"] == r["samples/trained"] and r["samples/regenerated"] == 0, r
         assert r["staleness/min"] == r["staleness/max"] == min(r["step"] - 1, 1), r
+
+
+def _join_external_engine(out: Path, http: httpx.Client, finish, steps) -> None:
+    """An engine server started by hand joins by URL and leaves again: it loads each version from the HF
+    folder the Actor writes from that version's snapshot (the ``disk`` channel), while the Actor trains on."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "relax_core.engines.http_server", "--model", str(out / "model_init")]
+        + ["--host", "127.0.0.1", "--port", str(port), "--threads", "1"]
+        + ["--weights-dir", str(out / "rollout_weights")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _until("the engine server", lambda: _answers(f"{url}/health"))
+        before = len(steps())
+        assert finish("scale_out", http.post("/rollout/scale_out", json={"engine_urls": [url]}))[
+            "status"
+        ] == ("ACTIVE")
+        assert [e["kind"] for e in http.get("/rollout/engines").json()["engines"]] == ["launch", "external"]
+        joined = _until(
+            "a step on the external engine too",
+            lambda: [r for r in steps()[before:] if r["rollout/engines_used"] == 2],
+        )
+        # mode.deterministic: the external engine generated step s on version s-2, as the launch engine did
+        assert joined[0]["staleness/min"] == joined[0]["staleness/max"] == 1
+        served = httpx.get(f"{url}/get_model_info").json()["weight_version"]
+        assert served >= joined[0]["step"] - 2, served
+        folders = sorted(p.name for p in (out / "rollout_weights" / "external").iterdir())
+        assert 1 <= len(folders) <= 2 and all(f.startswith("v") for f in folders), folders
+        leave = http.post("/rollout/scale_in", json={"engine_urls": [url]})
+        assert finish("scale_in", leave)["status"] == "COMPLETED"
+        assert [e["kind"] for e in http.get("/rollout/engines").json()["engines"]] == ["launch"]
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_ctrl_c_stops_every_role_and_ray(tmp_path: Path) -> None:
