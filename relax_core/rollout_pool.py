@@ -43,9 +43,12 @@ if TYPE_CHECKING:
     from relax_core.config import RelaxConfig
 
 log = logging.getLogger("relax")
-# the weight-transfer set of the external engines: they reload each version from an HF folder the Actor
-# writes (the disk channel)
+# weight-transfer sets of elastic engines that the launch engines' channels do not reach, each an open
+# channel the Actor sends into while one of them serves: external servers reload an HF folder (disk), and
+# scaled engines off the reach of those channels (another node than a broadcast group's source, which
+# takes no late member) read the object store
 EXTERNAL = "external"
+ELASTIC = "elastic"
 
 
 class ScaleState(enum.StrEnum):
@@ -119,6 +122,8 @@ class Member:
     index: int = -1  # launch: replica index in the RoleGroup
     inflight: int = 0
     forced_out: bool = False
+    # the weight-transfer set whose channel brings it each version (elastic members; set when it joins)
+    channel: str = "policy"
 
 
 class RolloutPool(RoleGroup):
@@ -159,7 +164,7 @@ class RolloutPool(RoleGroup):
         self._seq = itertools.count()
         self.members: dict[str, Member] = {}
         self._version: int | None = None
-        self._folder_wanted = False  # an external engine joins: the next publish writes a folder
+        self._wanted: set[str] = set()  # open channels a joining engine waits for: the next publish sends
         self.transfer = None  # attach()
         self.requests: dict[str, ScaleRequest] = {}
         self.last_generate: dict[str, float] = {}
@@ -364,26 +369,34 @@ class RolloutPool(RoleGroup):
     # ------------------------------------------------------------------ weights
     def attach(self, transfer) -> None:
         """The run's :class:`~relax_core.weight_transfer.WeightTransfer`; its ``policy`` set is the launch
-        engines. Scaled engines get each version through ``deliver``; external servers reload an HF folder
-        that the Actor writes into the transfer's ``disk`` channel of the set ``external``."""
+        engines. An elastic engine reads the channel of the last publish that reaches it (``deliver``), else
+        an open channel of its own kind: the Actor writes an HF folder for external servers (``external``)
+        and puts the weights in the object store for scaled engines nothing else reaches (``elastic``)."""
         self.transfer = transfer
         transfer.open_channel(EXTERNAL, "disk")
+        transfer.open_channel(ELASTIC, "object_store")
+
+    def _channel(self, member: Member) -> str:
+        """The weight-transfer set a joining member reads each version from."""
+        if member.kind == "external":
+            return EXTERNAL
+        return "policy" if self.transfer.reaches(member.handle) else ELASTIC
 
     def _sync_refs(self, members: list[Member]) -> list[tuple[Member, Any]]:
-        """Bring elastic ``members`` to the newest published version; an external one whose folder that
-        publish did not write is left out (see :meth:`_await_folder`)."""
+        """Bring elastic ``members`` to the newest published version; one whose open channel that publish
+        did not send into is left out (see :meth:`_await_publish`)."""
         refs = []
         for m in members:
-            ref = self.transfer.deliver(m.handle, name=EXTERNAL if m.kind == "external" else "policy")
+            ref = self.transfer.deliver(m.handle, name=m.channel)
             if ref is not None:
                 refs.append((m, ref))
         return refs
 
-    def _await_folder(self, deadline: float) -> None:
-        """External engines join while the newest publish wrote no folder (none served then): ask the
-        next publishes for one (until the caller clears ``_folder_wanted``) and return once one started;
-        the caller then takes ``weights_lock``, which that publish holds until it is done."""
-        self._folder_wanted = True
+    def _await_publish(self, channels: set[str], deadline: float) -> None:
+        """Members join that read open ``channels`` the newest publish did not send into (none of their kind
+        served then): ask the next publishes for them (until the caller clears ``_wanted``) and return once
+        one started; the caller then takes ``weights_lock``, which that publish holds until it is done."""
+        self._wanted = set(channels)
         published = self._version
         while self._version == published and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -397,8 +410,7 @@ class RolloutPool(RoleGroup):
         self._version = version
         with self.lock:
             members = [m for m in self.members.values() if m.kind != "launch"]
-        if self._folder_wanted or any(m.kind == "external" for m in members):
-            names = (*names, EXTERNAL)
+        names = (*names, *sorted(self._wanted | {m.channel for m in members} - {"policy", *names}))
         refs = self.transfer.publish_refs(version, names)
         return refs, self._sync_refs(members)
 
@@ -566,11 +578,17 @@ class RolloutPool(RoleGroup):
                     req.errors.append(f"{m.url or m.id}: health check failed: {err}")
                 failed.append(m)
             self._set(req, ScaleState.WEIGHT_SYNCING)
-            external = any(m.kind == "external" for m in healthy)
-            if external and self._version is not None and not self.transfer.published_into(EXTERNAL):
-                self._await_folder(deadline)
+            for m in healthy:
+                m.channel = self._channel(m)
+                log.info(
+                    "rollout %s takes each version through the weight transfer's %r set", m.id, m.channel
+                )
+            unsent = {m.channel for m in healthy} - {"policy"}
+            unsent = {c for c in unsent if not self.transfer.published_into(c)}
+            if unsent and self._version is not None:
+                self._await_publish(unsent, deadline)
             with self.weights_lock:  # no training push can slip between this sync and activation
-                self._folder_wanted = False
+                self._wanted = set()
                 synced = []
                 if self._version is not None:
                     refs = self._sync_refs(healthy)

@@ -142,6 +142,14 @@ class WeightTransfer:
         handles.get(self.source.actors[0].source_connect.remote(key, strategy, spec))
         self.open_channels[name] = key
 
+    def reaches(self, consumer: Any) -> bool:
+        """Whether a late ``consumer`` can read the channels of the ``policy`` set: one of its kind (shared
+        memory on the Actor's node, the object store) is among them and takes members that come later."""
+        (route,), _ = consumer_strategies(
+            self.strategy, self.mode, self.source, [consumer], self.layout, strict=False, cross="object_store"
+        )
+        return not transport(route).fixed_members and route in self.routes.get("policy", [])
+
     def published_into(self, name: str) -> bool:
         """Whether the newest publish sent into the :meth:`open_channel` of set ``name``."""
         return self._latest is not None and self.open_channels.get(name) in self._latest[1]

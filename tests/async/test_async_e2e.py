@@ -230,6 +230,9 @@ def test_ctrl_c_stops_every_role_and_ray(tmp_path: Path) -> None:
         "trainer.total_steps=10000",
         "control_plane.enabled=true",
         "cluster.num_cpus=5",  # room for a scaled engine outside the run's placement groups
+        # the launch engine in a broadcast group, which takes no late member: a scaled engine reads each
+        # version from the object store channel the Actor opens for it, as one on another node would
+        "weight_transfer=collective",
     )
     seen, deadline = [], time.monotonic() + 400
     while time.monotonic() < deadline:
