@@ -248,6 +248,19 @@ def _assert_weights_close(
         torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=atol, msg=name)
 
 
+def _assert_first_adam_step_close(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], lr: float
+) -> None:
+    """Weights after one Adam step from the same start: Adam's first step is ±lr per element whatever |g|,
+    so an element whose gradient is near zero may step the other way under another rounding (seen on an
+    AVX2 host, not on AVX-512 ones); every element is within 2·lr, and all but 0.1% within 1e-2·lr."""
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        diff = (got[name] - tensor).abs()
+        assert float(diff.max()) <= 2 * lr * (1 + 1e-3), name
+        assert float((diff > 1e-2 * lr).float().mean()) <= 1e-3, name
+
+
 def test_two_ranks_match_one_rank_loss_grad_norm_and_weights(sharded, single) -> None:
     for rank in range(WORLD):
         r = sharded[rank]
@@ -273,7 +286,7 @@ def test_packed_micro_batches_on_two_ranks_match_one_padded_rank(sharded, single
         assert r["step1"]["grad_norm"] == pytest.approx(single["step1"]["grad_norm"], rel=1e-5)
         # other groupings round the gradients differently, and Adam's first step divides by |g|: the few
         # elements whose gradient is near zero move by up to the learning rate (1e-3) either way
-        _assert_weights_close(r["weights1"], single["weights1"], atol=1e-2 * TRAINER.lr)
+        _assert_first_adam_step_close(r["weights1"], single["weights1"], TRAINER.lr)
 
 
 def test_meta_init_ranks_receive_rank0s_weights_and_buffers(sharded, tiny_model_dir: Path) -> None:
