@@ -202,13 +202,7 @@ class WeightTransfer:
             key = self.open_channels[name]
             if not self.published_into(name):
                 return None
-            route = key.split(":", 1)[0]
-            spec = transport(route).spec(self, name, [consumer])
-            handles.get(consumer.weights_connect.remote(key, route, spec, 1))
-            v, payloads, sent = self._latest
-            return consumer.weights_receive.remote(
-                key, transport(route).receive_argument(payloads[key], sent), v
-            )
+            return self._read_latest(consumer, key, name)
         (route,), nodes = consumer_strategies(
             self.strategy, self.mode, self.source, [consumer], self.layout, strict=False, cross="object_store"
         )
@@ -228,9 +222,14 @@ class WeightTransfer:
             weights = self.source.call("state_dict")[0]  # every rank gathers; rank 0 returns the weights
             return consumer.weights_receive.remote(None, weights, v)
         self._log_routes({"a late consumer": consumer}, [route], nodes)
+        return self._read_latest(consumer, key, "policy")
+
+    def _read_latest(self, consumer: Any, key: str, name: str) -> ray.ObjectRef:
+        """``consumer`` opens its end of channel ``key`` (of set ``name``) and reads the newest publish."""
+        route = transport(key.split(":", 1)[0])
+        handles.get(consumer.weights_connect.remote(key, route.name, route.spec(self, name, [consumer]), 1))
         v, payloads, sent = self._latest
-        handles.get(consumer.weights_connect.remote(key, route, late.spec(self, "policy", [consumer]), 1))
-        return consumer.weights_receive.remote(key, late.receive_argument(payloads[key], sent), v)
+        return consumer.weights_receive.remote(key, route.receive_argument(payloads[key], sent), v)
 
     def close(self) -> None:
         used = {route for routes in self.routes.values() for route in routes}
