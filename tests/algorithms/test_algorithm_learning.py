@@ -1,12 +1,17 @@
-"""Each algorithm learns on the default task: a short run with every role in the test's process
+"""Each algorithm learns on the default task: a short run with every role in one process
 (``cluster=in_process``, which gives a Ray run's rewards step for step), reward must rise.
 
 Runs are kept small (a 40-step warm-start, 40 RL steps at lr 2e-3, the default 16 prompts x 8 samples) so the whole suite fits
-the CI budget; the start is weak on purpose so there is room to improve. The comparison is the mean train
+the CI budget; the start is weak on purpose so there is room to improve. Each run uses one thread, so the
+runs go two at a time, in spawned processes, on a host with two cores. The comparison is the mean train
 reward of the last 10 steps against the first 10 (DAPO: over every generated sample, before filtering).
 """
 
 from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import Future, ProcessPoolExecutor
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -31,11 +36,6 @@ SMALL_RUN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def teacher_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("teachers")
-
-
 def run_algorithm(name: str, out_dir, extra: list[str]) -> tuple[dict, list[dict]]:
     from relax_core.run_loop import RunLoop
     from relax_core.validation import validate
@@ -50,16 +50,38 @@ def run_algorithm(name: str, out_dir, extra: list[str]) -> tuple[dict, list[dict
     return summary, [m for m in loop.sink.history if m.get("step", 1) > 0]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ALGORITHMS)
-def test_algorithm_reward_rises(name, teacher_cache, tmp_path):
-    extra = {
+def extra_overrides(name: str, teacher_cache) -> list[str]:
+    return {
         # a shorter teacher schedule than the default keeps the suite in budget
         "opd": [f"algorithm.teacher.cache_dir={teacher_cache}", "algorithm.teacher.train_steps=120"],
         # one critic warm-up step instead of three: the actor gets most of the 40-step budget
         "ppo": ["algorithm.critic.warmup_steps=1"],
     }.get(name, [])
-    summary, history = run_algorithm(name, tmp_path, extra)
+
+
+@pytest.fixture(scope="module")
+def teacher_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("teachers")
+
+
+@pytest.fixture(scope="module")
+def learning_runs(tmp_path_factory, teacher_cache) -> dict[str, Future]:
+    """Every algorithm's run, started at once on a pool of spawned processes (the longest first)."""
+    longest_first = sorted(ALGORITHMS, key=lambda name: name not in ("ppo", "opd"))
+    workers = min(2, os.cpu_count() or 1)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return {
+            name: pool.submit(
+                run_algorithm, name, tmp_path_factory.mktemp(name), extra_overrides(name, teacher_cache)
+            )
+            for name in longest_first
+        }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_algorithm_reward_rises(name, learning_runs, teacher_cache):
+    summary, history = learning_runs[name].result()
     assert summary["status"] == "finished" and summary["steps"] == 40
     key = "dynamic_sampling/reward_all_mean" if name == "dapo" else "reward/mean"
     rewards = [m[key] for m in history if key in m]

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -81,16 +82,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ray_tmp = tmp / "ray_tmp"
     ray_tmp.mkdir()
     out = {"in_process": tmp / "in_process", "ray": tmp / "ray", "resumed": tmp / "resumed"}
-    logs = {"in_process": launch(out["in_process"], "cluster=in_process", ray_tmp=ray_tmp, bare=True)}
-    logs["ray"] = launch(out["ray"], "cluster=local")
-    checkpoint = out["in_process"] / "checkpoints" / "step_000004"
-    logs["resumed"] = launch(  # its engine also frees its KV cache while the trainer steps
-        out["resumed"],
-        "cluster=in_process",
-        f"trainer.resume={checkpoint}",
-        "trainer.export_final_model=true",
-        "rollout.release_memory_during_train=true",
-    )
+    with ThreadPoolExecutor(1) as beside:  # the Ray run beside the in-process ones: they use one core
+        on_ray = beside.submit(launch, out["ray"], "cluster=local")
+        logs = {"in_process": launch(out["in_process"], "cluster=in_process", ray_tmp=ray_tmp, bare=True)}
+        checkpoint = out["in_process"] / "checkpoints" / "step_000004"
+        logs["resumed"] = launch(  # its engine also frees its KV cache while the trainer steps
+            out["resumed"],
+            "cluster=in_process",
+            f"trainer.resume={checkpoint}",
+            "trainer.export_final_model=true",
+            "rollout.release_memory_during_train=true",
+        )
+        logs["ray"] = on_ray.result()
     return {"dirs": out, "logs": logs, "ray_tmp": ray_tmp}
 
 
@@ -153,7 +156,8 @@ def test_eval_only_scores_a_checkpoint_and_a_final_model_as_the_run_did(runs, tm
         4: (dirs["in_process"], dirs["in_process"] / "checkpoints" / "step_000004"),
         8: (dirs["resumed"], dirs["resumed"] / "final_model"),
     }
-    for step, (run, model) in models.items():
+
+    def evaluate(step: int, model: Path) -> tuple[Path, subprocess.CompletedProcess]:
         out = tmp_path / f"eval_{step}"
         overrides = [
             "cluster=in_process",
@@ -176,6 +180,12 @@ def test_eval_only_scores_a_checkpoint_and_a_final_model_as_the_run_did(runs, tm
             text=True,
             timeout=600,
         )
+        return out, result
+
+    with ThreadPoolExecutor(2) as pool:  # each evaluation uses one core
+        evaluations = {step: pool.submit(evaluate, step, model) for step, (_, model) in models.items()}
+    for step, (run, model) in models.items():
+        out, result = evaluations[step].result()
         assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
         lines = [json.loads(line) for line in (out / "eval_metrics.jsonl").read_text().splitlines()]
         assert [row["set"] for row in lines] == ["heldout"] and 0.0 <= lines[0]["pass@2"] <= 1.0
