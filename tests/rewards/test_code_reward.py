@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,10 @@ def _sandbox_pids() -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def _code_dirs() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("relax-code-*"))
 
 
 def test_code_reward_scores_stdin_and_assert_tests() -> None:
@@ -62,7 +67,7 @@ def test_code_reward_escapes_score_zero_and_change_nothing(tmp_path: Path) -> No
     canary.write_text("alive")
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    before = set(Path(tempfile.gettempdir()).glob("relax-code-*"))
+    before = _code_dirs()
     ok = "print('ok')\n"  # each program ends by printing the expected output, so only a block scores 0
     programs = {
         "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
@@ -87,8 +92,13 @@ def test_code_reward_escapes_score_zero_and_change_nothing(tmp_path: Path) -> No
         listener.settimeout(0.0)
         with pytest.raises(BlockingIOError):
             listener.accept()
-        assert _sandbox_pids() == []
-        assert set(Path(tempfile.gettempdir()).glob("relax-code-*")) == before
+        # a killed sandbox process may still be a zombie for a moment on a loaded host (the suite runs
+        # beside other tests); one that is still there after a while escaped
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and (_sandbox_pids() or _code_dirs() != before):
+            time.sleep(0.2)
+        assert _sandbox_pids() == [], "a sandboxed process outlived its run"
+        assert _code_dirs() == before, "a sandbox's working directory was left behind"
     finally:
         listener.close()
         canary.unlink()
