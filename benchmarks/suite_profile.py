@@ -8,10 +8,6 @@ idle (waiting on timeouts, process start, one-thread runs) and is the place to r
     python benchmarks/suite_profile.py                    # the whole suite (as tests/run.sh, no Slurm set-up)
     python benchmarks/suite_profile.py tests/e2e -k in_process
     python benchmarks/suite_profile.py --summarize tests.jsonl   # a recorded run again
-    python benchmarks/suite_profile.py --summarize tests.jsonl --write-durations tests/durations.json
-
-The run is sequential (one pytest process), so its per-file seconds are what tests/durations.json records:
-tests/conftest.py hands files to tests/run.sh's xdist workers longest first by them.
 
 Linux only. Run it alone: other load on the host counts as busy.
 """
@@ -102,9 +98,6 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=Path("suite_profile.jsonl"), help="where each test's record goes"
     )
-    parser.add_argument(
-        "--write-durations", type=Path, help="write each file's wall seconds here (tests/durations.json)"
-    )
     args, pytest_args = parser.parse_known_args()
     if args.summarize is not None:
         records = [json.loads(line) for line in args.summarize.read_text().splitlines()]
@@ -114,12 +107,8 @@ def main() -> int:
 
         rc = int(pytest.main(["-q", "-p", "no:cacheprovider", *pytest_args], plugins=[Recorder(args.out)]))
         records = [json.loads(line) for line in args.out.read_text().splitlines()]
-    lines = summarize(records)
-    for line in lines:
+    for line in summarize(records):
         print(json.dumps(line))
-    if args.write_durations is not None:
-        seconds = {line["file"]: line["wall_s"] for line in lines if "file" in line}
-        args.write_durations.write_text(json.dumps(seconds, indent=1) + "\n")
     return rc
 
 

