@@ -92,8 +92,8 @@ def test_code_reward_escapes_score_zero_and_change_nothing(tmp_path: Path) -> No
         listener.settimeout(0.0)
         with pytest.raises(BlockingIOError):
             listener.accept()
-        # a killed sandbox process may still be a zombie for a moment on a loaded host (the suite runs
-        # beside other tests); one that is still there after a while escaped
+        # a killed sandbox process may still be a zombie for a moment on a loaded host; one that is still
+        # there after a while escaped
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and (_sandbox_pids() or _code_dirs() != before):
             time.sleep(0.2)
