@@ -171,6 +171,10 @@ def validate(cfg: RelaxConfig) -> None:
     from relax_core.engines import ENGINES, engine_dtype
 
     _check_choice("rollout.engine", r.engine, ENGINES.names())
+    if r.engine in ("vllm", "sglang"):
+        from relax_core.weight_transfer.server_push import SERVER_PUSHES
+
+        SERVER_PUSHES.load(r.server_weight_update)  # before a server starts, one line naming the choices
     engine_dtype(r.dtype)  # names the key when the dtype is unknown
     if a.routing_replay:
         _check_routing_replay(cfg)

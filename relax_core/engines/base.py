@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from relax_core.errors import RelaxUserError
+from relax_core.weight_transfer.disk import read_weights_folder
 
 if TYPE_CHECKING:
     from relax_core.config import ModelConfig, RolloutConfig
@@ -76,21 +77,6 @@ class GenerationResult:
     # the torch engine with algorithm.routing_replay: MoE expert indices [prompt + fed response tokens,
     # layers, top_k] (relax_models.routing_replay.record_routing); None otherwise
     routing: torch.Tensor | None = None
-
-
-def read_weights_folder(folder: str) -> dict[str, torch.Tensor]:
-    """The state dict in the ``*.safetensors`` files of an HF folder."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
 
 
 class RolloutEngine(abc.ABC):

@@ -2,29 +2,32 @@
 
 It implements :class:`RolloutEngine`, so the Rollout role drives a remote server exactly like the
 in-process engine: one ``POST /generate`` per prompt (its ``n`` samples share the server's prefill),
-sent concurrently so the server batches them. Weights move in memory over a torch.distributed group
-(``weight_transfer="distributed"``, SGLang's ``/update_weights_from_distributed``; see ``weight_broadcast``)
-or through a folder per version (``/update_weights_from_disk``; the previous version's folder is deleted).
+sent concurrently so the server batches them. Weights reach the server through one
+:class:`~relax_core.weight_transfer.server_push.ServerPush`: in memory over a torch.distributed group
+(``distributed``) or through a folder per version (``disk``).
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import torch
 
 from relax_core.engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
-from relax_core.engines.weight_broadcast import WeightBroadcaster
 from relax_core.errors import RelaxUserError
+from relax_core.weight_transfer.server_push import (
+    SERVER_PUSHES,
+    ServerPush,
+    ServerSide,
+    load_folder,
+    server_push,
+)
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-WEIGHT_TRANSFERS = ("distributed", "disk")
 
 
 def parse_weight_version(value: Any, fallback: int) -> int:
@@ -33,32 +36,6 @@ def parse_weight_version(value: Any, fallback: int) -> int:
         return int(value)
     except (TypeError, ValueError):
         return fallback
-
-
-def save_weights_folder(state_dict: dict[str, torch.Tensor], base_model_path: str | None, out: Path) -> Path:
-    """Write ``state_dict`` as ``model.safetensors`` plus the base folder's config/tokenizer files, so a
-    server that reloads a whole folder (SGLang) finds a complete checkpoint."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    if base_model_path:
-        for f in Path(base_model_path).iterdir():
-            if (
-                f.is_file()
-                and not f.name.endswith((".safetensors", ".bin"))
-                and f.name != "model.safetensors.index.json"
-            ):
-                shutil.copy2(f, out / f.name)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    # tied embeddings share storage; safetensors refuses shared tensors
-    seen: dict[int, str] = {}
-    for k in list(tensors):
-        ptr = tensors[k].data_ptr()
-        if ptr in seen:
-            tensors[k] = tensors[k].clone()
-        seen[ptr] = k
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
 
 
 class HttpEngine(RolloutEngine):
@@ -75,22 +52,17 @@ class HttpEngine(RolloutEngine):
         server_world_size: int = 1,
         weights_dir: str | None = None,
     ) -> None:
-        """``weight_transfer``: ``distributed`` (in memory) or ``disk``; ``weights_dir``: where the disk
-        path writes the folders the server loads (one of the server's ``--weights-dir`` folders); default a
-        new temporary folder."""
-        if weight_transfer not in WEIGHT_TRANSFERS:
-            raise ValueError(f"weight_transfer={weight_transfer!r} is not one of {WEIGHT_TRANSFERS}")
+        """``weight_transfer``: the :data:`SERVER_PUSHES` name, ``distributed`` (in memory) or ``disk``;
+        ``weights_dir``: where ``disk`` writes the folders the server loads (see :class:`ServerSide`)."""
+        SERVER_PUSHES.load(weight_transfer)  # a name no push has fails here, not at the first update
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
-        self.base_model_path = base_model_path
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="http-engine")
-        self.weights_dir = weights_dir
-        self._tmp: tempfile.TemporaryDirectory | None = None
-        self._last_folder: Path | None = None
         self.weight_transfer = weight_transfer
-        self.server_world_size = server_world_size
-        self.broadcaster: WeightBroadcaster | None = None
+        self.server_side = ServerSide(server_world_size, base_model_path, weights_dir)
+        # built on the first update: a broadcast group forms only with a server that serves
+        self.push: ServerPush | None = None
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         response = self.http.post(path, json=body or {})
@@ -142,28 +114,24 @@ class HttpEngine(RolloutEngine):
         return [res for f in futures for res in f.result()]
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
-        data = self._post("/update_weights_from_disk", {"model_path": path, "weight_version": str(version)})
-        if not data.get("success", False):
-            raise RuntimeError(f"{self.url} refused weights from {path}: {data.get('message')}")
+        with self._naming_server():
+            load_folder(self._post, path, version)
         self.weight_version = version
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """In memory over the weight-transfer group (formed on the first update), or through a local folder
-        the server reads (it shares the filesystem), per ``weight_transfer``."""
-        if self.weight_transfer == "distributed":
-            if self.broadcaster is None:
-                self.broadcaster = WeightBroadcaster(self._post, server_world_size=self.server_world_size)
-            self.broadcaster.send(state_dict, version)
-            self.weight_version = version
-            return
-        if self.weights_dir is None and self._tmp is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="relax-weights-")
-        root = Path(self.weights_dir or self._tmp.name)  # type: ignore[union-attr]
-        folder = save_weights_folder(state_dict, self.base_model_path, root / f"v{version}")
-        self.update_weights_from_disk(str(folder), version)
-        if self._last_folder is not None and self._last_folder != folder:
-            shutil.rmtree(self._last_folder, ignore_errors=True)  # the server has loaded the new one
-        self._last_folder = folder
+        with self._naming_server():
+            if self.push is None:
+                self.push = server_push(self.weight_transfer, self._post, self.server_side)
+            self.push.push(state_dict, version)
+        self.weight_version = version
+
+    @contextmanager
+    def _naming_server(self) -> Iterator[None]:
+        """A server's refusal names the server (a run may drive several)."""
+        try:
+            yield
+        except RuntimeError as err:
+            raise RuntimeError(f"{self.url}: {err}") from err
 
     def pause(self) -> None:
         self._post("/pause_generation", {"mode": "in_place"})
@@ -194,9 +162,7 @@ class HttpEngine(RolloutEngine):
             return False
 
     def shutdown(self) -> None:
-        if self.broadcaster is not None:
-            self.broadcaster.close()
+        if self.push is not None:
+            self.push.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()

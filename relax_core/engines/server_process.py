@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from relax_core.engines.client import WEIGHT_TRANSFERS, HttpEngine
+from relax_core.engines.client import HttpEngine
 from relax_core.errors import RelaxUserError
 
 
@@ -95,12 +95,6 @@ def group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(entry.name))
     return members
-
-
-def check_server_weight_update(value: str) -> None:
-    """``rollout.server_weight_update`` names a way the server can load weights (checked before it starts)."""
-    if value not in WEIGHT_TRANSFERS:
-        raise RelaxUserError(f"rollout.server_weight_update={value!r} is not one of {WEIGHT_TRANSFERS}")
 
 
 class ServerEngine(HttpEngine):

@@ -24,10 +24,10 @@ from relax_core.engines.base import EngineSetup, default_memory_fraction, engine
 from relax_core.engines.server_process import (
     ServerEngine,
     ServerProcess,
-    check_server_weight_update,
     python_with,
 )
 from relax_core.errors import RelaxUserError
+from relax_core.weight_transfer.server_push import SERVER_PUSHES
 from relax_models.ports import free_port
 
 SGLANG_VERSION = "0.5.23"  # scripts/install_sglang.sh installs the same
@@ -103,7 +103,7 @@ class SGLangEngine(ServerEngine):
         reason = _no_gpu_reason()
         if reason:
             raise RelaxUserError(reason)
-        check_server_weight_update(weight_transfer)
+        SERVER_PUSHES.load(weight_transfer)  # before the server starts
         port = free_port()
         server = ServerProcess(
             launch_command(

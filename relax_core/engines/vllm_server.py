@@ -14,7 +14,7 @@ dependencies) and two dependency-free modules of this package, nothing else of R
 - ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` (SGLang's names): vLLM's ``sleep(level=1)``
   (weights to host memory, KV cache discarded) and ``wake_up()``; only with ``--enable-sleep-mode`` (GPU).
 - weights: ``/init_weights_update_group`` + ``/update_weights_from_distributed`` (a torch.distributed
-  broadcast, see ``weight_broadcast``) or ``/update_weights_from_disk``; both call methods of
+  broadcast, see ``weight_transfer.server_push``) or ``/update_weights_from_disk``; both call methods of
   ``vllm_worker_ext.WeightLoaderExtension`` by name in vLLM's workers. Each bucket is loaded as it arrives
   (vLLM's layerwise reload) and the last one (``flush_cache``) finishes the version; generation is paused
   in between.

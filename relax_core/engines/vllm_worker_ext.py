@@ -1,6 +1,6 @@
 """Weight loading inside vLLM's workers, registered by name through vLLM's ``worker_extension_cls``.
 
-Runs in the vLLM environment (imports torch, vLLM and ``weight_broadcast`` only). vLLM mixes this class
+Runs in the vLLM environment (imports torch, vLLM and ``weight_transfer.server_push`` only). vLLM mixes this class
 into its worker, so ``self`` is the worker and the server calls the methods with
 ``collective_rpc("<method name>", ...)``: plain data in, no pickled callables.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from relax_core.engines.weight_broadcast import join_group
+from relax_core.weight_transfer.server_push import join_group
 
 # every reload warns that the rotary embedding "failed to load weights": its cos/sin cache is a buffer no
 # checkpoint holds, and vLLM puts it back; one line per layer per step would bury the run's log

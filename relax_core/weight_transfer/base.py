@@ -140,7 +140,7 @@ class WeightReceiver(_WeightEndpoint):
     def load_weights_folder(self, folder: str, version: int) -> None:
         """Version ``version`` from an HF folder (the ``disk`` channel); a role whose engine server reloads
         folders by path overrides it."""
-        from relax_core.engines.base import read_weights_folder
+        from relax_core.weight_transfer.disk import read_weights_folder
 
         self.load_weights(read_weights_folder(folder), version)
 

@@ -1,7 +1,10 @@
 """``disk``: each version becomes an HF folder (safetensors + the base model's config and tokenizer) under
 the run dir, for engines that can only reload from files (external SGLang-compatible servers). The folders
 of the newest ``keep`` versions stay; older ones are deleted as new ones arrive. The source (the Actor's
-rank 0) writes it, from the version's snapshot in mode=async; consumers are handed the folder's path."""
+rank 0) writes it, from the version's snapshot in mode=async; consumers are handed the folder's path.
+
+The folder format is defined here once: :func:`save_weights_folder` writes it (this channel and the folder
+push into an engine server, ``server_push``), :func:`read_weights_folder` reads it back."""
 
 from __future__ import annotations
 
@@ -25,14 +28,51 @@ class DiskSpec:
     keep: int = 2
 
 
+def save_weights_folder(state_dict: dict[str, torch.Tensor], base_model_path: str | None, out: Path) -> Path:
+    """Write ``state_dict`` as ``model.safetensors`` plus the base folder's config/tokenizer files, so a
+    server that reloads a whole folder (SGLang) finds a complete checkpoint."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    if base_model_path:
+        for f in Path(base_model_path).iterdir():
+            if (
+                f.is_file()
+                and not f.name.endswith((".safetensors", ".bin"))
+                and f.name != "model.safetensors.index.json"
+            ):
+                shutil.copy2(f, out / f.name)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    # tied embeddings share storage; safetensors refuses shared tensors
+    seen: dict[int, str] = {}
+    for k in list(tensors):
+        ptr = tensors[k].data_ptr()
+        if ptr in seen:
+            tensors[k] = tensors[k].clone()
+        seen[ptr] = k
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def read_weights_folder(folder: str) -> dict[str, torch.Tensor]:
+    """The state dict in the ``*.safetensors`` files of an HF folder."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
 class DiskChannel(Channel):
     def __init__(self, spec: DiskSpec, rank: int = 0) -> None:
         self.spec = spec
         self.folders: list[Path] = []
 
     def send(self, state_dict: dict[str, torch.Tensor], version: int) -> str:
-        from relax_core.engines.client import save_weights_folder
-
         folder = save_weights_folder(
             state_dict, self.spec.base_model_path, Path(self.spec.root) / f"v{version}"
         )
@@ -42,8 +82,6 @@ class DiskChannel(Channel):
         return str(folder.resolve())
 
     def receive(self, payload: str) -> dict[str, torch.Tensor]:
-        from relax_core.engines.base import read_weights_folder
-
         return read_weights_folder(payload)
 
     def deliver(self, receiver: Any, payload: str, version: int) -> None:

@@ -62,3 +62,12 @@ def test_a_broken_model_folder_is_one_line_naming_the_file(
     assert "\n" not in message and f"model.path='{folder}'" in message, message
     for needle in needles:
         assert needle in message, message
+
+
+def test_an_unknown_server_weight_update_is_one_line_naming_the_choices(make_cfg) -> None:
+    validate(make_cfg("rollout=vllm", "rollout.server_weight_update=disk"))
+    with pytest.raises(RelaxUserError) as err:
+        validate(make_cfg("rollout=vllm", "rollout.server_weight_update=nccl"))
+    message = str(err.value)
+    assert "\n" not in message and "rollout.server_weight_update='nccl'" in message, message
+    assert "['distributed', 'disk']" in message, message

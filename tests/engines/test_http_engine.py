@@ -18,12 +18,13 @@ from engine_helpers import make_engine
 from relax_core.config import ModelConfig
 from relax_core.engines import build_engine
 from relax_core.engines.base import GenerationRequest, SamplingParams
-from relax_core.engines.client import HttpEngine, save_weights_folder
+from relax_core.engines.client import HttpEngine
 from relax_core.engines.http_server import ServerLimits, ServerThread, create_app
 from relax_core.engines.router import Router
 from relax_core.engines.sglang import launch_command, sglang_unavailable_reason
 from relax_core.engines.vllm import vllm_unavailable_reason
 from relax_core.errors import RelaxUserError
+from relax_core.weight_transfer.disk import save_weights_folder
 from relax_models.ports import free_port
 
 

@@ -14,8 +14,8 @@ import httpx
 import torch
 from engine_helpers import make_engine
 
-from relax_core.engines.client import save_weights_folder
 from relax_core.engines.http_server import ServerLimits, ServerThread, create_app
+from relax_core.weight_transfer.disk import save_weights_folder
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 

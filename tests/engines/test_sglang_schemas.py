@@ -5,7 +5,7 @@ SGLang's io_struct cannot be imported without its CUDA dependencies, so its sour
 every request body Relax sends must use field names of SGLang's request class for that endpoint (and
 name every required field), every endpoint Relax calls must be a route of SGLang's HTTP server, and every
 launch flag must be one of its server arguments. The bodies are captured from the real client code
-(``HttpEngine`` and ``WeightBroadcaster``) posting to a recorder, not written out by hand here.
+(``HttpEngine`` and its ``DistributedPush``) posting to a recorder, not written out by hand here.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.client import HttpEngine, parse_weight_version
 from relax_core.engines.sglang import launch_command
 from relax_core.engines.vllm import vllm_python
-from relax_core.engines.weight_broadcast import WeightBroadcaster, join_group
 from relax_core.errors import RelaxUserError
+from relax_core.weight_transfer.server_push import DistributedPush, join_group
 
 # endpoint -> SGLang's request class for its body
 REQUEST_CLASSES = {
@@ -186,8 +186,9 @@ def test_parse_weight_version() -> None:
     assert parse_weight_version(None, 2) == 2
 
 
-def test_broadcaster_buckets_by_bytes() -> None:
-    broadcaster = WeightBroadcaster.__new__(WeightBroadcaster)
-    broadcaster.bucket_bytes = 100
+def test_distributed_push_buckets_by_bytes_and_dtype() -> None:
+    push = DistributedPush.__new__(DistributedPush)
+    push.bucket_mb = 100 / 2**20
     state = {"a": torch.zeros(10), "b": torch.zeros(10), "c": torch.zeros(40), "d": torch.zeros(1)}
-    assert [[n for n, _ in b] for b in broadcaster.buckets(state)] == [["a", "b"], ["c"], ["d"]]
+    state |= {"e": torch.zeros(1, dtype=torch.bfloat16), "f": torch.zeros(1)}
+    assert [[n for n, _ in b] for b in push.buckets(state)] == [["a", "b"], ["c"], ["d"], ["e"], ["f"]]

@@ -3,7 +3,7 @@
 An SGLang server's TP workers join the group with SGLang's ``init_custom_process_group`` and receive with
 its ``receive_weights_from_distributed``; ``sglang_tp_worker.py`` runs exactly those functions, compiled
 from the installed SGLang package (``scripts/install_vllm_cpu.sh --sglang-schemas``), in two subprocesses
-with their own default group. Relax's real ``WeightBroadcaster`` pushes a state dict over gloo and every
+with their own default group. Relax's real ``DistributedPush`` pushes a state dict over gloo and every
 tensor is checked where it arrives. Relax's vLLM worker extension joins with the same ``join_group``.
 """
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 from test_sglang_schemas import ROOT
 
-from relax_core.engines import weight_broadcast
-from relax_core.engines.weight_broadcast import WeightBroadcaster
+from relax_core.weight_transfer import server_push
+from relax_core.weight_transfer.server_push import DistributedPush
 from relax_models.ports import free_port
 
 WORKER = Path(__file__).with_name("sglang_tp_worker.py")
@@ -35,7 +35,7 @@ def test_sglang_group_code_receives_relax_weight_push(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a group that cannot form fails in seconds, not after the production 300 s
-    monkeypatch.setattr(weight_broadcast, "GROUP_TIMEOUT", timedelta(seconds=20))
+    monkeypatch.setattr(server_push, "GROUP_TIMEOUT", timedelta(seconds=20))
     tp_port = free_port()
     workers = [
         subprocess.Popen(
@@ -66,10 +66,10 @@ def test_sglang_group_code_receives_relax_weight_push(
         "lm_head.weight": torch.tensor([[1, -2], [3, 4]], dtype=torch.int64),
     }
     try:
-        # 64-byte buckets: two requests, the second carrying the version
-        broadcaster = WeightBroadcaster(post, server_world_size=2, bucket_bytes=64)
-        broadcaster.send(state, version=1)
-        broadcaster.close()
+        # one bucket per dtype: three requests, the last carrying the version
+        push = DistributedPush(post, server_world_size=2, bucket_mb=64 / 2**20)
+        push.push(state, version=1)
+        push.close()
         for rank in range(2):
             received = [item for f in sorted(tmp_path.glob(f"rank{rank}-*.pt")) for item in torch.load(f)]
             assert [name for name, _ in received] == list(state)

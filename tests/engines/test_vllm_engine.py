@@ -37,9 +37,9 @@ from relax_core.engines.vllm import (
     vllm_python,
     vllm_unavailable_reason,
 )
-from relax_core.engines.weight_broadcast import WeightBroadcaster
 from relax_core.errors import RelaxUserError
 from relax_core.samples import Sample, TrainBatch
+from relax_core.weight_transfer.server_push import DistributedPush, FolderPush
 from relax_models.loader import load_causal_lm, load_tokenizer
 
 REASON = vllm_unavailable_reason()
@@ -133,15 +133,19 @@ def test_greedy_equals_hf_before_and_after_weight_pushes(engine, tiny_model_dir:
     before = engine.generate(reqs, greedy)
     assert [r.output_ids for r in before] == [hf_greedy(model, r.input_ids, 12, eos) for r in reqs]
     assert {r.weight_version for r in before} == {0}
+    # the engine's own push (rollout.server_weight_update=distributed) forms the group on the first update
+    engine.update_weights(perturbed_state(model, seed=1), 1)
+    pushes = {"distributed": engine.push, "disk": FolderPush.open(engine._post, engine.server_side)}
     for version, transfer in ((1, "distributed"), (2, "disk"), (3, "distributed")):
-        engine.weight_transfer = transfer
+        engine.push = pushes[transfer]
         engine.update_weights(perturbed_state(model, seed=version), version)
         after = engine.generate(reqs, greedy)
         assert [r.output_ids for r in after] == [hf_greedy(model, r.input_ids, 12, eos) for r in reqs]
         assert {r.weight_version for r in after} == {version}
     assert [r.output_ids for r in after] != [r.output_ids for r in before]  # the pushes really landed
     # the disk fallback keeps one version folder at most
-    assert engine._tmp is not None and len(list(Path(engine._tmp.name).iterdir())) <= 1
+    assert len(list(pushes["disk"].root.iterdir())) <= 1
+    pushes["disk"].close()
 
 
 @needs_vllm
@@ -240,17 +244,18 @@ def test_moe_weights_reach_both_tensor_parallel_ranks(moe_dir: Path) -> None:
             sent.extend(body.get("names", []))
             return engine._post(path, body)
 
-        engine.broadcaster = WeightBroadcaster(post, server_world_size=2, bucket_bytes=32 << 10)
+        engine.push = DistributedPush(post, server_world_size=2, bucket_mb=1 / 32)
         state = perturbed_experts(model, seed=1)
         assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
-        assert len(engine.broadcaster.buckets(state)) > 10
+        assert len(engine.push.buckets(state)) > 10
         engine.update_weights(state, 1)
         with safe_open(str(moe_dir / "model.safetensors"), "pt") as checkpoint:
             assert set(sent) - {"lm_head.weight"} == set(checkpoint.keys())  # tied: not saved
         after = engine.generate(reqs, greedy)
         assert [r.output_ids for r in after] == [hf_greedy(model, r.input_ids, 6, eos) for r in reqs]
         assert [r.output_ids for r in after] != [r.output_ids for r in before]
-        engine.weight_transfer = "disk"
+        engine.push.close()
+        engine.push = FolderPush.open(engine._post, engine.server_side)
         engine.update_weights(perturbed_experts(model, seed=2), 2)
         on_disk = engine.generate(reqs, greedy)
         assert [r.output_ids for r in on_disk] == [hf_greedy(model, r.input_ids, 6, eos) for r in reqs]
