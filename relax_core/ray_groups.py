@@ -86,12 +86,14 @@ class RoleGroup:
         kwargs: dict[str, Any] | None = None,
         shared: SharedProcesses | None = None,
         max_concurrency: int = 2,
+        threaded: bool = False,
     ) -> None:
         """``env_vars[i]``: extra environment of replica i (e.g. its ``torch.distributed`` rank);
         ``kwargs``: keyword arguments of every replica's constructor (e.g. the DataBus handle);
         ``shared``: replica i lives in process i of these shared processes instead of its own actor;
         ``max_concurrency``: calls one actor runs at once (the default lets abort()/health() reach an actor
-        that is busy generating)."""
+        that is busy generating); ``threaded`` (``pg`` None): each replica runs its calls on that many
+        threads of its own instead of in the caller's (mode=async in one process: roles work side by side)."""
         self.name = name
         if pg is not None:  # Ray is imported only here: cluster=in_process runs where it is not installed
             import ray
@@ -108,7 +110,9 @@ class RoleGroup:
         def spawn(i: int, attempt: int = 0):
             if pg is None:
                 return handles.InProcessActor(
-                    role_cls(*args, **(kwargs or {}), **({"replica": i} if pass_replica else {}))
+                    role_cls(*args, **(kwargs or {}), **({"replica": i} if pass_replica else {})),
+                    threads=max_concurrency if threaded else 0,
+                    name=f"{name}-{i}",
                 )
             if shared is not None:
                 role_kwargs = (kwargs or {}) | ({"replica": i} if pass_replica else {})

@@ -1,5 +1,6 @@
-"""``mode=async``: every role is its own Ray actor group, samples move through the DataBus, weights
-through the weight transfer, and a small scheduler in the driver decides what may start when.
+"""``mode=async``: every role is its own Ray actor group (``cluster=in_process``: objects of the driver's
+process, each on threads of its own), samples move through the DataBus, weights through the weight
+transfer, and a small scheduler in the driver decides what may start when.
 
 Pipeline of one step N (partition ``train_N`` on the bus)::
 
@@ -32,9 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import ray
-from ray.util.placement_group import remove_placement_group
-
+from relax_core import handles
 from relax_core.algorithm_roles import dynamic_sampling_metrics
 from relax_core.algorithms.spec import requirements
 from relax_core.databus import BUS_CPUS, DATABUSES, DataBus, DataBusDown, partition_name, start_databus
@@ -56,6 +55,8 @@ from relax_core.samples import PromptRecord, RolloutRound, Sample
 from relax_core.weight_transfer import WeightTransfer
 
 if TYPE_CHECKING:
+    import ray
+
     from relax_core.config import RelaxConfig
 
 log = logging.getLogger("relax")
@@ -139,6 +140,7 @@ class AsyncMode(Mode):
         self.max_rounds = a.max_gen_batches if a.dynamic_sampling else 1
         self.ref_every = cfg.mode.ref_update_interval if needs.reference else 0
         self.pgs: list = []
+        self.in_process = cfg.cluster.name == "in_process"
         self.bus: DataBus | None = None
         self.bus_stats = {"put_samples": 0, "put_s": 0.0}
         self.last_sync_s = self.last_publish_s = 0.0
@@ -152,6 +154,8 @@ class AsyncMode(Mode):
 
     # ------------------------------------------------------------------ setup / teardown
     def _reserve(self, name: str, replicas: int, cpus: float, gpus: float) -> Any:
+        if self.in_process:  # cluster=in_process: the roles are objects of this process, on threads
+            return None
         bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus else {})
         pg = reserve([bundle] * replicas, f"relax-{name}")
         self.pgs.append(pg)
@@ -159,16 +163,22 @@ class AsyncMode(Mode):
 
     def _group(self, cls, name: str, replicas: int, cpus: float, gpus: float, args: tuple, **kw) -> RoleGroup:
         pg = self._reserve(name, replicas, cpus, gpus)
-        group = RoleGroup(cls, name, replicas, pg, list(range(replicas)), cpus, gpus, args, **kw)
+        group = RoleGroup(
+            cls, name, replicas, pg, list(range(replicas)), cpus, gpus, args, threaded=True, **kw
+        )
         setattr(self.roles, name, group)
         return group
 
     def _check_resources(self) -> None:
+        if self.in_process:  # no Ray: nothing is reserved
+            return
         r, t, m, needs = self.cfg.rollout, self.cfg.trainer, self.cfg.mode, self.ctx.needs
         helpers = 1 + len(needs.model_roles) * helper_ranks(t)
         world = actor_world_size(t)
         need = r.num_cpus * r.num_engines + t.num_cpus * world + m.aux_num_cpus * helpers
         need += BUS_CPUS[m.databus]
+        import ray  # only where Ray runs: cluster=in_process may run where it is not installed
+
         have = ray.cluster_resources().get("CPU", 0.0)
         if need > have + 1e-9:
             raise ClusterTooSmall(
@@ -241,6 +251,8 @@ class AsyncMode(Mode):
         """``rollout.agent``: the program plays every rollout round through the endpoint over the engines,
         served by a host actor that writes the episodes to the bus as the engines' own rounds do. It mostly
         waits, so it takes no CPU of its own; threaded, so its counters answer while a round runs."""
+        import ray
+
         from relax_core.agentic.programs import AgentRolloutHost
 
         engines = list(self.roles.rollout.actors)
@@ -268,8 +280,8 @@ class AsyncMode(Mode):
         self._end_push()  # a run that ends mid-publish lets a waiting scale-out finish
         if self.agent is not None:  # its program copies run in sessions of their own: end them first
             try:
-                ray.get(self.agent.shutdown.remote(), timeout=60)
-                ray.kill(self.agent)
+                handles.get(self.agent.shutdown.remote(), timeout=60)
+                handles.kill(self.agent)
             except Exception:  # noqa: BLE001  (best effort while tearing down)
                 pass
             self.agent = None
@@ -281,6 +293,8 @@ class AsyncMode(Mode):
         self.roles = RoleGroups()
         for pg in self.pgs:
             try:
+                from ray.util.placement_group import remove_placement_group
+
                 remove_placement_group(pg)
             except Exception:  # noqa: BLE001
                 pass
@@ -300,7 +314,7 @@ class AsyncMode(Mode):
         current policy to it once nothing is in flight."""
         super().replaced(role, index, handle)
         if role == "rollout" and self.agent is not None:
-            ray.get(self.agent.replace_engine.remote(index, handle))
+            handles.get(self.agent.replace_engine.remote(index, handle))
         followers = {"rollout": ("policy", 0), "actor_fwd": ("policy", len(self.roles.rollout))}
         if role == "reference" and self.ref_every:
             followers["reference"] = ("reference", 0)
@@ -375,11 +389,11 @@ class AsyncMode(Mode):
         self, prompts: list[PromptRecord], greedy: bool = False, sampling: SamplingParams | None = None
     ) -> list[Sample]:
         if self.agent is not None:  # the program plays them (greedy or not), as in colocate
-            return ray.get(self.agent.generate.remote(prompts, greedy))
+            return handles.get(self.agent.generate.remote(prompts, greedy))
         actors = self.roles.rollout.actors
         chunks = [c for c in split_evenly(prompts, len(actors)) if c]
         refs = [a.generate.remote(c, greedy, sampling) for a, c in zip(actors, chunks, strict=False)]
-        return [s for part in ray.get(refs) for s in part]
+        return [s for part in handles.get(refs) for s in part]
 
     # ------------------------------------------------------------------ the loop
     def _launch_round(self, st: Schedule, step: int) -> None:
@@ -483,14 +497,14 @@ class AsyncMode(Mode):
             st.training = s
             st.info[s]["train_launch"] = time.perf_counter()
         # 6. wait for anything to finish
-        done, _ = ray.wait(list(st.kinds), num_returns=1, timeout=1.0)
+        done, _ = handles.wait(list(st.kinds), num_returns=1, timeout=1.0)
         for ref in done:
             kind, s = st.kinds.pop(ref)
             member, prompts = st.engines.pop(ref, (None, 0))
             if member is not None:
                 self.roles.rollout.busy(member, -prompts)
             try:
-                value = ray.get(ref)  # re-raises a role's error here
+                value = handles.get(ref)  # re-raises a role's error here
             except FAILURES:
                 if member is None or member.kind == "launch":
                     raise
@@ -513,7 +527,7 @@ class AsyncMode(Mode):
 
     def _take(self, st: Schedule, kind: str, s: int, ref: ray.ObjectRef, value: Any) -> None:
         """Book the result ``value`` of a finished ``kind`` task of step ``s``."""
-        ray.get(st.peers.pop(ref, []))  # every rank is done (their collectives ran in step with rank 0)
+        handles.get(st.peers.pop(ref, []))  # every rank is done (their collectives ran in step with rank 0)
         if kind == "peer":
             return
         if kind == "rollout":
@@ -611,7 +625,7 @@ class AsyncMode(Mode):
             self.ctx.stream.load_state_dict(st.stream_at[st.trained + 1])
         st.rewind()
         if self.refresh_reference:  # a Reference that follows the policy restarted: the current one
-            ray.get([self.transfer.deliver(r, st.trained) for r in self.roles.reference.actors])
+            handles.get([self.transfer.deliver(r, st.trained) for r in self.roles.reference.actors])
             self.refresh_reference = False
         self.publish(st.trained)  # every follower, replaced ones included, holds the Actor's version
         st.synced = st.trained
@@ -622,7 +636,7 @@ class AsyncMode(Mode):
         step that completed meanwhile is kept."""
         for ref, (kind, s) in list(st.kinds.items()):
             try:
-                value = ray.get(ref)
+                value = handles.get(ref)
             except Exception:  # noqa: BLE001  (failed or cancelled work is redone)
                 continue
             if kind == "rollout" and s == st.rolling:
@@ -680,7 +694,7 @@ class AsyncMode(Mode):
             info["train_interval_s"],
         )
         if self.agent is not None:
-            metrics |= ray.get(self.agent.metrics.remote())
+            metrics |= handles.get(self.agent.metrics.remote())
         if self.cfg.algorithm.dynamic_sampling:
             metrics |= dynamic_sampling_metrics(
                 info["rounds"],
@@ -713,7 +727,13 @@ def validate_async(cfg: RelaxConfig) -> None:
     across_processes = [
         name for name in DATABUSES.names() if BUS_CPUS[name]
     ]  # the memory bus is one process's
-    if m.databus not in across_processes:
+    if cfg.cluster.name == "in_process":
+        if m.databus != "memory":
+            raise RelaxUserError(
+                f"cluster=in_process runs every role in this process, whose bus is mode.databus=memory "
+                f"(got {m.databus!r}): set mode.databus=memory"
+            )
+    elif m.databus not in across_processes:
         raise RelaxUserError(f"mode.databus={m.databus!r} is not one of {across_processes}")
     if m.partial_rollout not in ("finish", "abort"):
         raise RelaxUserError(f"mode.partial_rollout={m.partial_rollout!r} is not one of ['finish', 'abort']")

@@ -2,8 +2,9 @@
 
 The roles, the mode and the run loop are the same as on a Ray cluster: role groups are built from
 :class:`~relax_core.handles.InProcessActor` handles instead of Ray actors, and the Actor hands its weights
-to the rollout engine in memory (``in_process`` weight transfer). What needs several processes is refused
-up front with the setting to change.
+to the rollout engine in memory (``in_process`` weight transfer). In ``mode=async`` each role runs its calls
+on threads of its own and samples move through the in-memory bus (``mode.databus=memory``). What needs
+several processes is refused up front with the setting to change.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ def check_single_process(cfg: DictConfig) -> None:
     r, t = cfg.rollout, cfg.trainer
     # key: (value in this run, the value a single process needs, why), as a user writes them
     needs_processes = {
-        "mode": (cfg.mode.name, "colocate", "async mode runs its roles side by side"),
         "rollout.engine": (r.engine, "torch", "vLLM and SGLang engines are servers of their own"),
         "rollout.num_engines": (str(r.num_engines), "1", "engines generate side by side"),
         "trainer.backend": (t.backend, "torch", "megatron ranks are processes"),

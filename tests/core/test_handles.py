@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import ray
@@ -47,7 +48,7 @@ def test_replicas_are_objects_of_this_process_called_like_actors(group: RoleGrou
     # num_returns splits a tuple result into one reference each, as Ray does
     refs = group.actors[0].split.options(num_returns=3).remote()
     assert [handles.get(r) for r in refs] == [16, 0, os.getpid()]
-    assert handles.wait(refs, num_returns=1) == (refs[:1], refs[1:])
+    assert handles.wait(list(refs), num_returns=1) == ([refs[0]], list(refs[1:]))
     assert handles.get(group.actors[0].__ray_ready__.remote()) is True
     assert same_process(group.actors[0], group.actors[1])
     assert not ray.is_initialized()  # nothing above started Ray
@@ -71,3 +72,35 @@ def test_kill_shuts_the_roles_down(group: RoleGroup) -> None:
     roles = [a.role for a in group.actors]
     group.kill()
     assert all(r.closed for r in roles)
+
+
+class Gate:
+    """A role whose call can be held open, to see two replicas work at once."""
+
+    def __init__(self, replica: int = -1) -> None:
+        self.open = threading.Event()
+
+    def wait_open(self) -> str:
+        assert self.open.wait(30)
+        return threading.current_thread().name
+
+    def where(self) -> str:
+        return threading.current_thread().name
+
+
+def test_threaded_replicas_work_side_by_side_and_are_waited_for() -> None:
+    """mode=async in one process: each replica runs its calls on threads of its own, as a Ray actor does."""
+    group = RoleGroup(Gate, "gate", 2, None, [0, 1], 1.0, 0.0, pass_replica=True, threaded=True)
+    held = group.actors[0].wait_open.remote()
+    free = group.actors[1].where.remote()
+    assert handles.wait([held, free], num_returns=1, timeout=30) == ([free], [held])
+    assert handles.get(free).startswith("gate-1")
+    with pytest.raises(TimeoutError):
+        handles.get(held, timeout=0.2)
+    # the replica's second thread answers while the first is held (a health check, an abort)
+    assert handles.get(group.actors[0].where.remote(), timeout=30).startswith("gate-0")
+    group.actors[0].role.open.set()
+    assert handles.get([held], timeout=30)[0].startswith("gate-0")
+    assert handles.wait([], num_returns=1, timeout=0) == ([], [])
+    group.kill()
+    assert not ray.is_initialized()

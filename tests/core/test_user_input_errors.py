@@ -71,3 +71,13 @@ def test_an_unknown_server_weight_update_is_one_line_naming_the_choices(make_cfg
     message = str(err.value)
     assert "\n" not in message and "rollout.server_weight_update='nccl'" in message, message
     assert "['distributed', 'disk']" in message, message
+
+
+def test_async_in_one_process_names_the_bus_it_needs(make_cfg) -> None:
+    validate(make_cfg("cluster=in_process", "mode=async", "mode.databus=memory"))
+    with pytest.raises(RelaxUserError) as err:
+        validate(make_cfg("cluster=in_process", "mode=async"))
+    message = str(err.value)
+    assert "\n" not in message and "set mode.databus=memory" in message, message
+    with pytest.raises(RelaxUserError, match="mode.databus='memory' is not one of"):
+        validate(make_cfg("mode=async", "mode.databus=memory"))  # across processes it cannot carry rows

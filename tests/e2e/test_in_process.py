@@ -2,6 +2,8 @@
 
 The roles, mode and run loop are the ones a Ray run uses, so for one seed the in-process run must give the
 Ray run's per-step rewards exactly, resume from its own checkpoint step for step, and start no Ray at all.
+``mode=async`` runs in one process too (each role on threads of its own, the in-memory bus); at
+``mode.max_staleness=0`` it must take the colocate run's steps.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("in_process")
     ray_tmp = tmp / "ray_tmp"
     ray_tmp.mkdir()
-    out = {"in_process": tmp / "in_process", "ray": tmp / "ray", "resumed": tmp / "resumed"}
+    out = {k: tmp / k for k in ("in_process", "ray", "resumed", "async")}
     with ThreadPoolExecutor(1) as beside:  # the Ray run beside the in-process ones: they use one core
         on_ray = beside.submit(launch, out["ray"], "cluster=local")
         logs = {"in_process": launch(out["in_process"], "cluster=in_process", ray_tmp=ray_tmp, bare=True)}
@@ -92,6 +94,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
             f"trainer.resume={checkpoint}",
             "trainer.export_final_model=true",
             "rollout.release_memory_during_train=true",
+        )
+        logs["async"] = launch(
+            out["async"],
+            "cluster=in_process",
+            "mode=async",
+            "mode.databus=memory",
+            "mode.max_staleness=0",
+            ray_tmp=ray_tmp,
+            bare=True,
         )
         logs["ray"] = on_ray.result()
     return {"dirs": out, "logs": logs, "ray_tmp": ray_tmp}
@@ -116,6 +127,19 @@ def test_in_process_run_starts_no_ray_and_hands_weights_over_in_memory(runs) -> 
     assert list(runs["ray_tmp"].iterdir()) == []  # no Ray session folder was created
     ray_log = runs["logs"]["ray"].stdout + runs["logs"]["ray"].stderr
     assert "Ray up:" in ray_log  # the comparison run really ran on Ray
+
+
+@pytest.mark.slow
+def test_in_process_async_run_at_staleness_zero_takes_the_colocate_steps(runs) -> None:
+    """Rollout, Actor and Advantages on threads of one process, samples through the in-memory bus, weights
+    handed over in memory; Ray and the other NOT_ON_GPU_MACHINE packages hidden, as for the colocate run."""
+    log = runs["logs"]["async"].stdout + runs["logs"]["async"].stderr
+    assert "async roles up: rolloutx1, actorx1, advantagesx1 | databus=memory" in log
+    assert "weight transfer: in_process" in log and "No module named" not in log
+    assert rewards(runs["dirs"]["async"]) == rewards(runs["dirs"]["in_process"])
+    rows = [json.loads(line) for line in (runs["dirs"]["async"] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["staleness/max"] for r in rows if "reward/mean" in r] == [0.0] * 8
+    assert list(runs["ray_tmp"].iterdir()) == []
 
 
 @pytest.mark.slow

@@ -48,7 +48,7 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Comple
         "missing_model": ["model=qwen3_4b", "model.path=/nonexistent"],
         "mlflow_unreachable": ["logger.tracking_uri=http://127.0.0.1:9"],  # port 9: nothing listens
         "cpus_short": ["trainer.num_cpus=3", "cluster.num_cpus=2"],
-        "in_process_async": ["cluster=in_process", "mode=async"],
+        "in_process_engines": ["cluster=in_process", "rollout.num_engines=2"],
         **{f"data_{name}": ["data=jsonl", f"data.train_path={path}"] for name, path in data.items()},
     }
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RAY_ADDRESS")}
@@ -140,8 +140,8 @@ def test_more_logical_cpus_than_the_cluster_has_fails_with_one_error_naming_the_
 
 
 def test_in_process_refuses_what_needs_several_processes_with_one_line(cli) -> None:
-    result = cli["in_process_async"]
-    assert_one_error_line(result, "cluster=in_process", "needs mode=colocate (got async", "cluster=local")
+    result = cli["in_process_engines"]
+    assert_one_error_line(result, "cluster=in_process", "needs rollout.num_engines=1 (got 2", "cluster=local")
     assert not any(marker in result.stdout + result.stderr for marker in RAY_MARKERS)
 
 
