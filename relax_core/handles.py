@@ -120,9 +120,15 @@ def get(refs: Any, timeout: float | None = None) -> Any:
 def wait(refs: list[Any], num_returns: int = 1, timeout: float | None = None) -> tuple[list[Any], list[Any]]:
     """``ray.wait``; an in-process reference is finished when its call is (at once without threads)."""
     if not refs or any(isinstance(r, InProcessRef) for r in refs):
-        pending = [r._future for r in refs if not r.done()]
-        if pending and sum(r.done() for r in refs) < num_returns:
-            futures.wait(pending, timeout=timeout, return_when=futures.FIRST_COMPLETED)
+        if refs and not 0 < num_returns <= len(refs):
+            raise ValueError(f"num_returns={num_returns} for {len(refs)} references")  # as Ray's
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while refs and sum(r.done() for r in refs) < num_returns:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            pending = [r._future for r in refs if not r.done()]
+            futures.wait(pending, timeout=left, return_when=futures.FIRST_COMPLETED)
         done = [r for r in refs if r.done()][:num_returns]
         return done, [r for r in refs if r not in done]
     import ray

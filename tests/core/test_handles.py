@@ -102,5 +102,7 @@ def test_threaded_replicas_work_side_by_side_and_are_waited_for() -> None:
     group.actors[0].role.open.set()
     assert handles.get([held], timeout=30)[0].startswith("gate-0")
     assert handles.wait([], num_returns=1, timeout=0) == ([], [])
+    both = [group.actors[1].where.remote(), group.actors[0].where.remote()]
+    assert handles.wait(both, num_returns=2, timeout=30) == (both, [])  # waits for both
     group.kill()
     assert not ray.is_initialized()
