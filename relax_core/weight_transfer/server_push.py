@@ -172,7 +172,8 @@ class DistributedPush(ServerPush):
         return cls(post, server_world_size=server.world_size)
 
     def buckets(self, state_dict: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
-        """Consecutive same-dtype tensors grouped up to ``bucket_mb`` each (a larger one is a bucket alone)."""
+        """Consecutive same-dtype tensors grouped up to ``bucket_mb`` each (a larger one is a bucket
+        alone)."""
         items = list(state_dict.items())
         return [[items[i] for i in bucket] for bucket in plan_buckets(layout_of(state_dict), self.bucket_mb)]
 
@@ -254,5 +255,6 @@ SERVER_PUSHES = Option(
 
 
 def server_push(name: str, post: Post, server: ServerSide) -> ServerPush:
-    """The :class:`ServerPush` ``name`` (``rollout.server_weight_update``) into the server ``post`` reaches."""
+    """The :class:`ServerPush` ``name`` (``rollout.server_weight_update``) into the server that ``post``
+    reaches."""
     return SERVER_PUSHES.load(name).open(post, server)
