@@ -14,7 +14,8 @@
 //   silu_mul:         silu(gate) * up for a fused [gate | up] projection;
 //   sample_rows:      a token per row from softmax(logits) and its log-prob, in one pass over the logits.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -260,23 +261,23 @@ inline void prefetch_rows(const S* x, int64_t n) {
 #endif
 }
 
-void check_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name,
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
               " must be a contiguous float32 CPU tensor");
 }
 
 // float32 or bfloat16, the same as `like`'s
-void check_dtype_of(const torch::Tensor& t, const char* name, const torch::Tensor& like) {
+void check_dtype_of(const at::Tensor& t, const char* name, const at::Tensor& like) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
   TORCH_CHECK(t.scalar_type() == like.scalar_type() &&
-                  (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16),
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
               name, " is ", t.scalar_type(), ": the kernels run float32 or bfloat16 tensors of one dtype");
 }
 
 template <typename S>
-void attend_all(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache, const int64_t* len_p,
+void attend_all(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, const int64_t* len_p,
                 const int64_t* share_slot_p, const int64_t* share_len_p, const float* cos_p, const float* sin_p,
-                const float* w_p, float eps, int64_t H, torch::Tensor& out) {
+                const float* w_p, float eps, int64_t H, at::Tensor& out) {
   const int64_t R = qkv.size(0), Hkv = k_cache.size(1), T = k_cache.size(2), D = k_cache.size(3);
   auto attend = D == 32    ? attend_head<32, S>
                 : D == 64  ? attend_head<64, S>
@@ -344,10 +345,10 @@ void silu_mul_rows(const S* in_p, int64_t R, int64_t I, S* out_p) {
 // share_lens [R] int64: slot r reads its cache rows before share_lens[r] from slot share_slots[r] (which holds
 // the same rows: the same prompt), the rest from its own. qkv and the caches are float32 or bfloat16 (one dtype),
 // the tables and norm weights float32. Returns [R, H D] in qkv's dtype.
-torch::Tensor decode_attention(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                               const torch::Tensor& lens, const torch::Tensor& share_slots,
-                               const torch::Tensor& share_lens, const torch::Tensor& cos,
-                               const torch::Tensor& sin_signed, const torch::Tensor& norm_w, double eps,
+at::Tensor decode_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
+                               const at::Tensor& lens, const at::Tensor& share_slots,
+                               const at::Tensor& share_lens, const at::Tensor& cos,
+                               const at::Tensor& sin_signed, const at::Tensor& norm_w, double eps,
                                int64_t n_heads) {
   check_dtype_of(qkv, "qkv", qkv);
   check_dtype_of(k_cache, "k_cache", qkv);
@@ -355,13 +356,13 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, torch::Tensor& k_cache,
   check_f32(cos, "cos");
   check_f32(sin_signed, "sin_signed");
   check_f32(norm_w, "norm_w");
-  TORCH_CHECK(lens.scalar_type() == torch::kInt64 && lens.is_contiguous(), "lens must be contiguous int64");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous(), "lens must be contiguous int64");
   const int64_t R = qkv.size(0), Hkv = k_cache.size(1), T = k_cache.size(2);
   const int64_t H = n_heads;
   TORCH_CHECK(H % Hkv == 0 && H / Hkv <= kMaxGroup, "unsupported heads per KV head: ", H, "/", Hkv);
   TORCH_CHECK(R <= k_cache.size(0) && lens.size(0) == R, "more rows than cache slots or lens");
   for (const auto* t : {&share_slots, &share_lens}) {
-    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->size(0) == R,
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->size(0) == R,
                 "share_slots and share_lens must be contiguous int64 with one entry per row");
   }
   const int64_t* len_p = lens.data_ptr<int64_t>();
@@ -375,18 +376,18 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, torch::Tensor& k_cache,
                 "slot ", r, ": shares ", share_len_p[r], " rows of slot ", share_slot_p[r], " (live rows: ", R,
                 ", position ", len_p[r], ")");
   }
-  auto out = torch::empty({R, H * k_cache.size(3)}, qkv.options());
-  const auto run = qkv.scalar_type() == torch::kBFloat16 ? attend_all<bf16> : attend_all<float>;
+  auto out = at::empty({R, H * k_cache.size(3)}, qkv.options());
+  const auto run = qkv.scalar_type() == at::kBFloat16 ? attend_all<bf16> : attend_all<float>;
   run(qkv, k_cache, v_cache, len_p, share_slot_p, share_len_p, cos.data_ptr<float>(), sin_signed.data_ptr<float>(),
       norm_w.data_ptr<float>(), static_cast<float>(eps), H, out);
   return out;
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_dtype_of(x, "x", x);
   check_dtype_of(w, "w", x);
-  auto out = torch::empty_like(x);
-  if (x.scalar_type() == torch::kBFloat16) {
+  auto out = at::empty_like(x);
+  if (x.scalar_type() == at::kBFloat16) {
     rms_norm_rows(x.data_ptr<bf16>(), w.data_ptr<bf16>(), eps, x.size(0), x.size(1), out.data_ptr<bf16>());
   } else {
     rms_norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), eps, x.size(0), x.size(1), out.data_ptr<float>());
@@ -394,11 +395,11 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_dtype_of(gate_up, "gate_up", gate_up);
   const int64_t R = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({R, I}, gate_up.options());
-  if (gate_up.scalar_type() == torch::kBFloat16) {
+  auto out = at::empty({R, I}, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16) {
     silu_mul_rows(gate_up.data_ptr<bf16>(), R, I, out.data_ptr<bf16>());
   } else {
     silu_mul_rows(gate_up.data_ptr<float>(), R, I, out.data_ptr<float>());
@@ -444,13 +445,13 @@ inline void exp_shifted(const float* z, float top, int64_t n, float* out) {
 // weights w = exp(z - max z), their running sum accumulated in double and stored as float (as torch.cumsum
 // does), the token is the first whose running sum exceeds u * total (u < 1 keeps that below total in float).
 // Also its log-prob z - max z - log(sum w). Returns (token [R] int64, log-prob [R] float).
-std::vector<torch::Tensor> sample_rows(const torch::Tensor& scaled, const torch::Tensor& uniforms) {
+std::vector<at::Tensor> sample_rows(const at::Tensor& scaled, const at::Tensor& uniforms) {
   check_f32(scaled, "scaled");
   check_f32(uniforms, "uniforms");
   const int64_t R = scaled.size(0), V = scaled.size(1);
   TORCH_CHECK(uniforms.numel() == R, "sample_rows: ", uniforms.numel(), " uniforms for ", R, " rows");
-  auto token = torch::empty({R}, scaled.options().dtype(torch::kLong));
-  auto logprob = torch::empty({R}, scaled.options());
+  auto token = at::empty({R}, scaled.options().dtype(at::kLong));
+  auto logprob = at::empty({R}, scaled.options());
   const float* z_p = scaled.data_ptr<float>();
   const float* u_p = uniforms.data_ptr<float>();
   int64_t* token_p = token.data_ptr<int64_t>();

@@ -1,7 +1,8 @@
 """The torch engine's fused decode kernels (``decode_kernels.cpp``), compiled on first use.
 
 ``rollout.native_kernels=true`` turns them on. The first engine on a machine builds them with the host's C++
-compiler through ``torch.utils.cpp_extension`` (about 30 s); later ones load the build from
+compiler through ``torch.utils.cpp_extension`` (ATen and torch's pybind casters only, not the whole C++
+frontend of ``torch/extension.h``: a first run waits on it); later ones load the build from
 ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR``). The build targets the widest vector ISA torch
 itself dispatches to on this CPU, and that ISA is part of the extension's name, so machines of different
 CPUs sharing a home directory each get their own build.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
@@ -16,9 +19,16 @@ ALGORITHMS = [
 ]  # fmt: skip
 
 
-def typed(*overrides: str):
+@functools.cache
+def _composed(overrides: tuple[str, ...]):
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
         return OmegaConf.to_object(compose("config", overrides=list(overrides)))
+
+
+def typed(*overrides: str):
+    """The typed config of ``overrides``; a composition several tests ask for is composed once (a fresh
+    copy each time: tests may change it)."""
+    return copy.deepcopy(_composed(overrides))
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

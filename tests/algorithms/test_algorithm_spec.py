@@ -9,6 +9,8 @@ mode=colocate.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import subprocess
 import sys
@@ -36,9 +38,16 @@ CONF = Path(__file__).resolve().parents[2] / "conf" / "algorithm"
 ADV = ["advantages"]
 
 
-def typed(*overrides: str):
+@functools.cache
+def _composed(overrides: tuple[str, ...]):
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
         return OmegaConf.to_object(compose("config", overrides=list(overrides)))
+
+
+def typed(*overrides: str):
+    """The typed config of ``overrides``; a composition several tests ask for is composed once (a fresh
+    copy each time: tests may change it)."""
+    return copy.deepcopy(_composed(overrides))
 
 
 def needs(
@@ -241,7 +250,10 @@ def test_reinforce_trains_through_the_launcher(tmp_path):
     """The worked example end to end: composed, validated and trained for three steps."""
     result = subprocess.run(
         [sys.executable, "-m", "relax_launch", "algorithm=reinforce", "trainer.total_steps=3"]
-        + ["trainer.sft_warmup_steps=0", "logger=jsonl", f"hydra.run.dir={tmp_path}"],
+        + ["trainer.sft_warmup_steps=0", "logger=jsonl", f"hydra.run.dir={tmp_path}"]
+        # the held-out evals before and after training are not what this checks: 8 prompts, not 128 (x 8
+        # samples each), which took most of the run
+        + ["data.num_eval=8"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -204,8 +204,15 @@ def test_unreachable_tracking_server_fails_at_once_naming_the_key() -> None:
     check_tracking_server("sqlite:///elsewhere/mlflow.db")
 
 
-def test_sink_logs_to_an_mlflow_server(make_cfg, tmp_path: Path) -> None:
-    """``logger.tracking_uri=http://...``: a real ``mlflow server``, artifacts through its proxy."""
+@pytest.fixture(scope="module", autouse=True)
+def mlflow_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The ``mlflow server`` of test_sink_logs_to_an_mlflow_server, started as the module starts (when that
+    test is selected): its seconds of imports and store migration run beside the tests before it rather
+    than ahead of it. Yields ``(uri, process)``; not waited for here."""
+    if not any(item.name == "test_sink_logs_to_an_mlflow_server" for item in request.session.items):
+        yield None
+        return
+    root = tmp_path_factory.mktemp("mlflow_server")
     port = free_port()
     server = subprocess.Popen(
         [
@@ -218,38 +225,43 @@ def test_sink_logs_to_an_mlflow_server(make_cfg, tmp_path: Path) -> None:
             "--port",
             str(port),
             "--backend-store-uri",
-            f"sqlite:///{tmp_path / 'server.db'}",
+            f"sqlite:///{root / 'server.db'}",
             "--artifacts-destination",
-            str(tmp_path / "server_artifacts"),
+            str(root / "server_artifacts"),
             "--workers",
             "1",
         ],
-        cwd=tmp_path,
+        cwd=root,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    uri = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(120):  # the server imports and migrates its store first
-            try:
-                check_tracking_server(uri, timeout_s=1.0)
-                break
-            except RelaxUserError:
-                assert server.poll() is None, "mlflow server exited"
-                time.sleep(0.5)
-        cfg = make_cfg(f"logger.tracking_uri={uri}", "logger.run_name=served")
-        sink = MetricsSink(cfg, resolved_of(cfg))
-        for step in (1, 2):
-            sink.log(step, step_metrics(step))
-        sink.finish({"status": "finished", "steps": 2, "reward_gain": 0.1})
-        client = MlflowClient(tracking_uri=uri)
-        (run,) = client.search_runs([client.get_experiment_by_name("relax").experiment_id])
-        assert run.info.status == "FINISHED" and run.info.run_name == "served"
-        assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
-        assert {"config.yaml", "summary.json", "reward_curve.png"} <= {
-            a.path for a in client.list_artifacts(run.info.run_id)
-        }
-        assert not (tmp_path / "mlflow.db").exists()  # nothing went to the run dir's store
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_sink_logs_to_an_mlflow_server(make_cfg, tmp_path: Path, mlflow_server) -> None:
+    """``logger.tracking_uri=http://...``: a real ``mlflow server``, artifacts through its proxy."""
+    uri, server = mlflow_server
+    for _ in range(1200):  # the server imports and migrates its store first
+        try:
+            check_tracking_server(uri, timeout_s=1.0)
+            break
+        except RelaxUserError:
+            assert server.poll() is None, "mlflow server exited"
+            time.sleep(0.1)
+    cfg = make_cfg(f"logger.tracking_uri={uri}", "logger.run_name=served")
+    sink = MetricsSink(cfg, resolved_of(cfg))
+    for step in (1, 2):
+        sink.log(step, step_metrics(step))
+    sink.finish({"status": "finished", "steps": 2, "reward_gain": 0.1})
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("relax").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "served"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
+    assert {"config.yaml", "summary.json", "reward_curve.png"} <= {
+        a.path for a in client.list_artifacts(run.info.run_id)
+    }
+    assert not (tmp_path / "mlflow.db").exists()  # nothing went to the run dir's store

@@ -3,11 +3,13 @@ SGLang / vLLM adapters (their runtimes need a GPU; what runs without one is test
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -194,50 +196,51 @@ def test_kv_cache_stays_within_its_budget(tiny_model_dir, tokenizer) -> None:
     srv.stop()
 
 
-def test_token_guards_every_endpoint(tiny_model_dir, tokenizer) -> None:
+def server_command(model_dir, *args: str) -> list[str]:
+    return [sys.executable, "-m", "relax_core.engines.http_server", "--model", str(model_dir), *args]
+
+
+@pytest.fixture(scope="module")
+def refused_starts(tiny_model_dir) -> dict[str, subprocess.CompletedProcess]:
+    """The standalone server refusing two setups; both started at once, as each is mostly Python start-up
+    (torch, the app) on one core."""
+    env = {k: v for k, v in os.environ.items() if k != "RELAX_ENGINE_TOKEN"}
+    commands = {
+        "exposed": server_command(tiny_model_dir, "--host", "0.0.0.0"),
+        "fp16 kernels": server_command(tiny_model_dir, "--native-kernels", "--dtype", "float16"),
+    }
+    procs = {
+        name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for name, cmd in commands.items()
+    }
+    done = {}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    return done
+
+
+def test_token_guards_every_endpoint(tiny_model_dir, tokenizer, refused_starts) -> None:
     engine = make_engine(tiny_model_dir, tokenizer, seed=3)
     srv = ServerThread(create_app(engine, tokenizer, token="s3cret"))
     assert httpx.get(f"{srv.url}/health").status_code == 401
     assert httpx.post(f"{srv.url}/update_weights_from_disk", json={"model_path": "/"}).status_code == 401
     assert httpx.get(f"{srv.url}/health", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     srv.stop()
-    exposed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "relax_core.engines.http_server",
-            "--model",
-            str(tiny_model_dir),
-            "--host",
-            "0.0.0.0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={k: v for k, v in __import__("os").environ.items() if k != "RELAX_ENGINE_TOKEN"},
-    )
+    exposed = refused_starts["exposed"]
     assert exposed.returncode == 1
     assert exposed.stderr.strip().splitlines()[-1] == (
         "error: --host='0.0.0.0' is reachable from other machines: set --token (or RELAX_ENGINE_TOKEN)"
     )
 
 
-def test_server_refuses_native_kernels_in_a_dtype_they_do_not_run(tiny_model_dir) -> None:
-    refused = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "relax_core.engines.http_server",
-            "--model",
-            str(tiny_model_dir),
-            "--native-kernels",
-            "--dtype",
-            "float16",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_server_refuses_native_kernels_in_a_dtype_they_do_not_run(refused_starts) -> None:
+    refused = refused_starts["fp16 kernels"]
     assert refused.returncode == 1
     last = refused.stderr.strip().splitlines()[-1]
     assert last.startswith("error: rollout.native_kernels=true runs the fp32 or bf16 CPU decode"), last
@@ -288,26 +291,37 @@ def test_router_least_outstanding_groups_and_health(tiny_model_dir, tokenizer) -
         router.assign([1])
 
 
+STANDALONE = {"eager": [], "native": ["--native-kernels", "--dtype", "bfloat16"]}
+
+
+@pytest.fixture(scope="module")
+def standalone_servers(request, tiny_model_dir) -> Iterator[dict[str, tuple[int, subprocess.Popen]]]:
+    """The selected ``STANDALONE`` servers (port, process), all started at once: each start is mostly
+    Python start-up on one core."""
+    wanted = {
+        item.callspec.id
+        for item in request.session.items
+        if item.module is request.module and item.originalname == "test_standalone_server_one_command"
+    }
+    servers = {}
+    try:
+        for name in STANDALONE.keys() & wanted:
+            port = free_port()
+            cmd = server_command(tiny_model_dir, "--port", str(port), "--threads", "1", *STANDALONE[name])
+            servers[name] = port, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        yield servers
+    finally:
+        for _, proc in servers.values():
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "engine_args", [[], ["--native-kernels", "--dtype", "bfloat16"]], ids=["eager", "native"]
-)
-def test_standalone_server_one_command(tiny_model_dir, tokenizer, engine_args: list[str]) -> None:
+@pytest.mark.parametrize("engine", list(STANDALONE))
+def test_standalone_server_one_command(standalone_servers, tokenizer, engine: str) -> None:
     """``python -m relax_core.engines.http_server --model PATH --port N`` serves /generate, on the eager step
     or on the fused kernels in bf16."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "relax_core.engines.http_server",
-        "--model",
-        str(tiny_model_dir),
-        "--port",
-        str(port),
-    ]
-    proc = subprocess.Popen(
-        cmd + ["--threads", "1", *engine_args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    port, proc = standalone_servers[engine]
     try:
         client = HttpEngine(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 120

@@ -11,6 +11,13 @@ integer range (``EDGES``: NaN, Infinity, 1e308, denormals, -0.0, 2**64), which J
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -158,25 +165,20 @@ def test_control_plane_answers_every_generated_request(counts):
         server.stop()
 
 
-@pytest.mark.slow
-def test_a_training_run_keeps_training_while_its_endpoints_are_fuzzed(tmp_path, counts):
-    """A real run (agent program, control plane on): malformed requests to its control plane and agent
-    endpoint get 4xx while it trains, and it keeps training afterwards. Only malformed bodies are sent:
-    valid ones would really scale the run or take its episodes. The run is long and stopped with Ctrl-C
-    once it has trained past the fuzzing, so its endpoints cannot close under the fuzzer."""
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
+FUZZED_RUN_TEST = "test_a_training_run_keeps_training_while_its_endpoints_are_fuzzed"
 
+
+@pytest.fixture(scope="module")
+def training_run(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """A real run (agent program, control plane on), long, stopped by its test: (process, run dir)."""
     root = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path_factory.mktemp("fuzzed_run")
     job = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "relax_launch",
-            f"hydra.run.dir={tmp_path}",
+            f"hydra.run.dir={run_dir}",
             "logger=jsonl",
             "experiment=agent_program_calc",
             f"rollout.agent.command=[{sys.executable},{root / 'examples' / 'agents' / 'calc_agent.py'}]",
@@ -189,42 +191,59 @@ def test_a_training_run_keeps_training_while_its_endpoints_are_fuzzed(tmp_path, 
             "rollout.agent.num_workers=4",
             "data.num_eval=4",
         ],
-        cwd=tmp_path,
-        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+        cwd=run_dir,
+        env={**os.environ, "PYTHONPATH": str(root)},
         stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "job.log", "w"),  # noqa: SIM115
+        stderr=open(run_dir / "job.log", "w"),  # noqa: SIM115
     )
-
-    def steps() -> list[int]:
-        path = tmp_path / "metrics.jsonl"
-        lines = path.read_text().splitlines() if path.is_file() else []
-        return [r["step"] for r in map(json.loads, lines[:-1]) if "reward/mean" in r]  # last may be partial
-
     try:
-        files = [tmp_path / "control_plane.json", tmp_path / "agent_logs" / "endpoint.json"]
-        deadline = time.monotonic() + 600
-        while not all(f.is_file() for f in files):
-            assert job.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the run's endpoints did not come up"
-            time.sleep(0.5)
-        control, agent = (json.loads(f.read_text())["url"] for f in files)
-        for name, url, skip in [
-            ("live control plane", control, ()),
-            ("live agent endpoint", agent, ("/v1/episodes/next",)),
-        ]:
-            count, bad = fuzz(url, modes=("negative",), skip=skip)
-            counts[name] = count
-            assert not bad, bad[:5]
-        fuzzed_at = max(steps(), default=0)
-        deadline = time.monotonic() + 600
-        while max(steps(), default=0) < fuzzed_at + 2:  # it trains on after the fuzzing
-            assert job.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no step after the fuzzing"
-            time.sleep(0.5)
-        job.send_signal(signal.SIGINT)
-        job.wait(timeout=300)
+        yield job, run_dir
     finally:
         job.kill()
         job.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_training_run_first(request) -> None:
+    """The run starts (Ray, its roles) before the in-process fuzzing, which holds one core, not two."""
+    if any(item.module is request.module and item.name == FUZZED_RUN_TEST for item in request.session.items):
+        request.getfixturevalue("training_run")
+
+
+@pytest.mark.slow
+def test_a_training_run_keeps_training_while_its_endpoints_are_fuzzed(training_run, counts):
+    """A real run (agent program, control plane on): malformed requests to its control plane and agent
+    endpoint get 4xx while it trains, and it keeps training afterwards. Only malformed bodies are sent:
+    valid ones would really scale the run or take its episodes. The run is long and stopped with Ctrl-C
+    once it has trained past the fuzzing, so its endpoints cannot close under the fuzzer."""
+    job, run_dir = training_run
+
+    def steps() -> list[int]:
+        path = run_dir / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.is_file() else []
+        return [r["step"] for r in map(json.loads, lines[:-1]) if "reward/mean" in r]  # last may be partial
+
+    files = [run_dir / "control_plane.json", run_dir / "agent_logs" / "endpoint.json"]
+    deadline = time.monotonic() + 600
+    while not all(f.is_file() for f in files):
+        assert job.poll() is None, (run_dir / "job.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the run's endpoints did not come up"
+        time.sleep(0.5)
+    control, agent = (json.loads(f.read_text())["url"] for f in files)
+    for name, url, skip in [
+        ("live control plane", control, ()),
+        ("live agent endpoint", agent, ("/v1/episodes/next",)),
+    ]:
+        count, bad = fuzz(url, modes=("negative",), skip=skip)
+        counts[name] = count
+        assert not bad, bad[:5]
+    fuzzed_at = max(steps(), default=0)
+    deadline = time.monotonic() + 600
+    while max(steps(), default=0) < fuzzed_at + 2:  # it trains on after the fuzzing
+        assert job.poll() is None, (run_dir / "job.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no step after the fuzzing"
+        time.sleep(0.5)
+    job.send_signal(signal.SIGINT)
+    job.wait(timeout=300)
     done = steps()
     assert done == list(range(1, len(done) + 1)) and len(done) >= fuzzed_at + 2, done

@@ -2,7 +2,8 @@
 :class:`VLLMEngine`) against HF greedy decoding, the trainer's log-prob recomputation, weight pushes over a
 gloo group and from disk, abort / pause / resume, and a SIGKILLed server.
 
-One server per module (vLLM starts in ~25 s); the SIGKILL test comes last and takes it down.
+One server per module (vLLM starts in ~25 s); the SIGKILL test comes last and takes it down. The MoE test's
+tensor-parallel server starts alongside it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -50,7 +53,14 @@ needs_vllm = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path):
+def engine(request: pytest.FixtureRequest, tiny_model_dir: Path):
+    # start the MoE test's server now, in the background, when it will run: each start is mostly one
+    # process's Python start-up at a time, so the two overlap on a CPU machine (on a GPU both would ask for
+    # 0.85 of its memory)
+    if not torch.cuda.is_available() and any(
+        item.module is request.module and item.originalname == MOE_TEST for item in request.session.items
+    ):
+        request.getfixturevalue("moe_engine")
     engine = VLLMEngine(str(tiny_model_dir), seed=0, dtype="float32", kv_cache_mib=64)
     yield engine
     engine.shutdown()
@@ -208,6 +218,25 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"), seed=5, head_dim=32)
 
 
+MOE_TEST = "test_moe_weights_reach_both_tensor_parallel_ranks"
+
+
+@pytest.fixture(scope="module")
+def moe_engine(moe_dir: Path) -> Iterator[Future]:
+    """The MoE test's engine (tensor-parallel 2) being started in a thread: the test takes its result."""
+    rollout = RolloutConfig(
+        engine="vllm", dtype="auto", tensor_parallel_size=2, memory_fraction=None, kv_cache_mib=16,
+        max_prompt_len=24, max_new_tokens=6, num_threads=1,
+    )  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(VLLMEngine.from_config, EngineSetup(str(moe_dir), 0, rollout))
+        try:
+            yield started
+        finally:
+            if started.exception() is None and started.result().server.alive():  # the test did not get to it
+                started.result().shutdown()
+
+
 def perturbed_experts(model, seed: int) -> dict[str, torch.Tensor]:
     """The model's state dict after a large change to the routed experts only (fused, as transformers
     keeps them): an engine that dropped the expert tensors would still generate what it did before."""
@@ -221,16 +250,12 @@ def perturbed_experts(model, seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.gpu_twin
 @needs_vllm
-def test_moe_weights_reach_both_tensor_parallel_ranks(moe_dir: Path) -> None:
+def test_moe_weights_reach_both_tensor_parallel_ranks(moe_dir: Path, moe_engine: Future) -> None:
     """A tiny Qwen3-MoE on two tensor-parallel ranks, built from the run's config as a deployment would be:
     expert weights pushed in memory, in buckets smaller than a layer (each loaded as it arrives), then from
     disk; greedy outputs equal HF greedy decoding of the pushed weights. The context is the prompt budget
     plus max_new_tokens, not the model's 4,096: a prompt that fills it leaves room for the rest only."""
-    rollout = RolloutConfig(
-        engine="vllm", dtype="auto", tensor_parallel_size=2, memory_fraction=None, kv_cache_mib=16,
-        max_prompt_len=24, max_new_tokens=6, num_threads=1,
-    )  # fmt: skip
-    engine = VLLMEngine.from_config(EngineSetup(str(moe_dir), 0, rollout))
+    engine = moe_engine.result()  # built from RolloutConfig by moe_engine
     try:
         tok = load_tokenizer(str(moe_dir))
         model = load_causal_lm(str(moe_dir)).eval()

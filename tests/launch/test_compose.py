@@ -61,14 +61,15 @@ def models_for(modality: str) -> list[str]:
     return sorted(fitting, key=lambda m: models[m].tiny is None)
 
 
-def validate_or_complete(overrides: list[str]) -> None:
-    """``validate`` the composed config. An option that needs more than itself must say so in one
-    RelaxUserError naming the missing piece; it is then completed the way a user would (a model folder,
-    a dataset file, a model family that takes the modality) and must validate."""
+def validate_or_complete(overrides: list[str], config: RelaxConfig) -> None:
+    """``validate`` the composed config (``config``: the caller's typed composition of ``overrides``, not
+    composed a second time). An option that needs more than itself must say so in one RelaxUserError naming
+    the missing piece; it is then completed the way a user would (a model folder, a dataset file, a model
+    family that takes the modality) and must validate."""
     extra: list[str] = []
     for _ in range(4):
         try:
-            validate(typed(compose_cfg([*overrides, *extra])))
+            validate(typed(compose_cfg([*overrides, *extra])) if extra else config)
             return
         except RelaxUserError as err:
             message = str(err)
@@ -127,15 +128,14 @@ def test_group_option_composes_against_the_schema(group: str, option: str) -> No
     # the option file's own name field (every group schema has one) matches the file
     name = getattr(getattr(config, group), "name", option)
     assert name == option or group in ("reward",), f"conf/{group}/{option}.yaml sets name={name!r}"
-    validate_or_complete([f"{group}={option}"])
+    validate_or_complete([f"{group}={option}"], config)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment_composes_and_validates(experiment: str) -> None:
     cfg = compose_cfg([f"experiment={experiment}"])
     relax_launch.cli.check_schema(cfg)
-    typed(cfg)
-    validate_or_complete([f"experiment={experiment}"])
+    validate_or_complete([f"experiment={experiment}"], typed(cfg))
 
 
 def test_default_config_is_the_cpu_default() -> None:

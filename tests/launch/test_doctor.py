@@ -3,6 +3,9 @@ config that cannot fit (relax_core/memory.py)."""
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -18,8 +21,15 @@ from relax_launch.doctor import main as doctor
 OVERSIZED = ["model=qwen3_30b_a3b", "cluster.num_gpus=1", "rollout.num_gpus=0.5", "trainer.num_gpus=0.5"]
 
 
+@functools.cache
+def _composed(overrides: tuple[str, ...]):
+    return OmegaConf.to_object(compose_config(list(overrides)))
+
+
 def _cfg(overrides: list[str]):
-    return OmegaConf.to_object(compose_config(overrides))
+    """The typed config of ``overrides``, composed once per module for the tests that share it (a fresh copy
+    each time: tests change it)."""
+    return copy.deepcopy(_composed(tuple(overrides)))
 
 
 @pytest.mark.parametrize(

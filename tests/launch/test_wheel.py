@@ -82,8 +82,11 @@ def test_unpacked_wheel_composes_without_the_checkout(wheel: Path, tmp_path: Pat
     zipfile.ZipFile(wheel).extractall(site)
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = str(site)
+    # where the CLI module and the config package resolve from, without executing the CLI module (its
+    # torch import, seconds): the --cfg job run below, same folder and PYTHONPATH, imports what resolves here
     probe = (
-        "import relax_launch.cli, relax_launch.conf as c; print(relax_launch.cli.__file__); print(c.__file__)"
+        "import importlib.util as u; print(u.find_spec('relax_launch.cli').origin); "
+        "print(u.find_spec('relax_launch.conf').origin)"
     )
     where = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True

@@ -46,13 +46,12 @@ def _rewards(run_dir: Path) -> dict[int, float]:
 ASYNC_AT_ZERO = ["mode=async", "mode.max_staleness=0"]
 
 
-def test_async_killed_and_rerun_takes_the_uninterrupted_colocate_runs_steps(tmp_path: Path) -> None:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    # the resumed run goes first; its kill is timed on its own progress
+def _kill_and_resume(resumed: Path, env: dict, cwd: Path) -> None:
+    """Start the async run, SIGKILL it with everything it started once step 3 and a checkpoint are logged,
+    then re-run the same command: it resumes from the checkpoint and finishes."""
     proc = subprocess.Popen(
         _command(resumed, ASYNC_AT_ZERO, TINY_RUN),
-        cwd=tmp_path,
+        cwd=cwd,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -71,7 +70,7 @@ def test_async_killed_and_rerun_takes_the_uninterrupted_colocate_runs_steps(tmp_
 
     again = subprocess.run(
         _command(resumed, ASYNC_AT_ZERO, TINY_RUN),
-        cwd=tmp_path,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
@@ -82,17 +81,29 @@ def test_async_killed_and_rerun_takes_the_uninterrupted_colocate_runs_steps(tmp_
         "resumed from" in again.stderr + again.stdout or "resumed from" in (resumed / "cli.log").read_text()
     )
 
-    # the uninterrupted colocate run goes without Ray: it takes a Ray run's steps exactly
-    first = subprocess.run(
-        _command(straight, [], TINY_RUN_IN_PROCESS),
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
 
+def test_async_killed_and_rerun_takes_the_uninterrupted_colocate_runs_steps(tmp_path: Path) -> None:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    # the uninterrupted colocate run goes without Ray (it takes a Ray run's steps exactly), alongside the
+    # killed one: nothing of it is timed, and it overlaps the other's Ray start instead of adding to it
+    straight_log = tmp_path / "straight.log"
+    with straight_log.open("w") as log:
+        first = subprocess.Popen(
+            _command(straight, [], TINY_RUN_IN_PROCESS),
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        _kill_and_resume(resumed, env, tmp_path)
+        first.wait(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, straight_log.read_text()[-3000:]
     # every step once: those after the checkpoint that the killed attempt had logged were dropped and re-run
     assert [r["step"] for r in read_metrics(resumed)] == list(range(0, TOTAL + 1))
     assert len(_rewards(straight)) == TOTAL

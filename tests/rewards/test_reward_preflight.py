@@ -94,6 +94,12 @@ def test_math_verify_timeouts_print_nothing() -> None:
     assert run.stdout == "" and run.stderr.strip() == "something else"
 
 
+def probe_rows(tmp_path: Path) -> Path:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(2)))
+    return rows
+
+
 @pytest.mark.parametrize(
     ("source", "cause"),
     [
@@ -112,14 +118,17 @@ def test_math_verify_timeouts_print_nothing() -> None:
 def test_custom_reward_that_cannot_score_stops_before_the_first_step(
     tmp_path: Path, source: str, cause: str
 ) -> None:
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(2)))
+    rows = probe_rows(tmp_path)
     (tmp_path / "r.py").write_text(source)
     cfg = RewardConfig(_target_=f"{tmp_path / 'r.py'}:score", num_workers=0)
     with pytest.raises(ValueError, match=rf"^reward._target_='.*r.py:score' {cause}") as err:
         check_reward_config(cfg, "answer", str(rows))
     assert "\n" not in str(err.value)
-    # a reward that scores some probes passes
+
+
+def test_custom_reward_that_scores_some_probes_passes(tmp_path: Path) -> None:
+    # once, not per case above: the same rows and reward each time, and its probe starts a worker process
+    rows = probe_rows(tmp_path)
     (tmp_path / "some.py").write_text(
         "def score(response, label, metadata=None):\n    return 1.0 / (int(label) - 1)\n"
     )

@@ -17,7 +17,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: it pulls in the whole C++ frontend, most of the build time
 #include <torch/library.h>
 
 namespace {
