@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-import functools
-
 import pytest
-from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
 from relax_core.errors import RelaxUserError
 from relax_core.validation import validate
-from relax_launch.cli import CONFIG_MODULE, composition_problem
+from relax_launch.cli import composition_problem
+from tests.core.conftest import typed_config
 
 ALGORITHMS = [
     "grpo", "dr_grpo", "dapo", "gspo", "sapo", "cispo", "rloo",
@@ -19,33 +15,21 @@ ALGORITHMS = [
 ]  # fmt: skip
 
 
-@functools.cache
-def _composed(overrides: tuple[str, ...]):
-    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
-
-
-def typed(*overrides: str):
-    """The typed config of ``overrides``; a composition several tests ask for is composed once (a fresh
-    copy each time: tests may change it)."""
-    return copy.deepcopy(_composed(overrides))
-
-
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_algorithm_composes_and_validates(name):
-    cfg = typed(f"algorithm={name}")
+    cfg = typed_config(f"algorithm={name}")
     assert cfg.algorithm.name == name
     validate(cfg)
 
 
 def test_algorithm_specifics_are_on_the_dataclass():
-    assert typed("algorithm=dr_grpo").algorithm.loss_scale == 8  # ${rollout.max_new_tokens}
-    assert typed("algorithm=dr_grpo", "rollout.max_new_tokens=12").algorithm.loss_scale == 12
-    dapo = typed("algorithm=dapo").algorithm
+    assert typed_config("algorithm=dr_grpo").algorithm.loss_scale == 8  # ${rollout.max_new_tokens}
+    assert typed_config("algorithm=dr_grpo", "rollout.max_new_tokens=12").algorithm.loss_scale == 12
+    dapo = typed_config("algorithm=dapo").algorithm
     assert dapo.dynamic_sampling and dapo.overlong_buffer == 2 and dapo.clip_high > dapo.clip_low
-    ppo = typed("algorithm=ppo").algorithm
+    ppo = typed_config("algorithm=ppo").algorithm
     assert ppo.critic is not None and ppo.critic.warmup_steps >= 0 and ppo.advantage_estimator == "gae"
-    opd = typed("algorithm=opd", "algorithm.teacher.coef=0.5").algorithm
+    opd = typed_config("algorithm=opd", "algorithm.teacher.coef=0.5").algorithm
     assert opd.teacher is not None and opd.teacher.coef == 0.5
 
 
@@ -69,7 +53,7 @@ def test_algorithm_specifics_are_on_the_dataclass():
     ],
 )
 def test_invalid_combinations_fail_with_a_clear_message(overrides, message):
-    cfg = typed(*overrides)
+    cfg = typed_config(*overrides)
     with pytest.raises(RelaxUserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(cfg)
 

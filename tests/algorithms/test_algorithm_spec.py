@@ -9,8 +9,6 @@ mode=colocate.
 
 from __future__ import annotations
 
-import copy
-import functools
 import json
 import subprocess
 import sys
@@ -19,8 +17,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
 from relax_core.algorithms import ADVANTAGE_ESTIMATORS
 from relax_core.algorithms.spec import (
@@ -32,22 +28,10 @@ from relax_core.algorithms.spec import (
 )
 from relax_core.errors import RelaxUserError
 from relax_core.validation import validate
-from relax_launch.cli import CONFIG_MODULE
+from tests.core.conftest import typed_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "algorithm"
 ADV = ["advantages"]
-
-
-@functools.cache
-def _composed(overrides: tuple[str, ...]):
-    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
-
-
-def typed(*overrides: str):
-    """The typed config of ``overrides``; a composition several tests ask for is composed once (a fresh
-    copy each time: tests may change it)."""
-    return copy.deepcopy(_composed(overrides))
 
 
 def needs(
@@ -108,7 +92,7 @@ def test_every_algorithm_config_has_a_spec_and_every_estimator_a_record():
 
 @pytest.mark.parametrize("name", sorted(DEFAULTS))
 def test_spec_matches_its_config_file(name):
-    spec, cfg = ALGORITHM_SPECS.get(name), typed(f"algorithm={name}")
+    spec, cfg = ALGORITHM_SPECS.get(name), typed_config(f"algorithm={name}")
     a = cfg.algorithm
     assert (spec.advantage_estimator, spec.policy_loss, spec.loss_agg_mode) == (
         a.advantage_estimator,
@@ -129,7 +113,7 @@ def test_spec_matches_its_config_file(name):
 
 @pytest.mark.parametrize("name", sorted(DEFAULTS))
 def test_default_requirements(name):
-    cfg = typed(f"algorithm={name}")
+    cfg = typed_config(f"algorithm={name}")
     validate(cfg)
     assert requirements(cfg) == DEFAULTS[name]
 
@@ -160,13 +144,13 @@ def test_default_requirements(name):
     ],
 )
 def test_grpo_overrides(overrides, expected):
-    cfg = typed(*overrides)
+    cfg = typed_config(*overrides)
     validate(cfg)
     assert requirements(cfg) == expected
 
 
 def test_reward_kl_with_several_optimizer_steps_waits_for_behaviour_logprobs():
-    cfg = typed("algorithm=reinforce_pp", "algorithm.ppo_epochs=2", "mode=async")
+    cfg = typed_config("algorithm=reinforce_pp", "algorithm.ppo_epochs=2", "mode=async")
     assert requirements(cfg) == needs(
         reference=True,
         actor_fwd=True,
@@ -179,22 +163,22 @@ def test_reward_kl_with_several_optimizer_steps_waits_for_behaviour_logprobs():
 
 
 def test_distillation_with_several_optimizer_steps_waits_for_behaviour_logprobs():
-    cfg = typed("algorithm=opd", "trainer.global_batch_size=32")
+    cfg = typed_config("algorithm=opd", "trainer.global_batch_size=32")
     assert requirements(cfg).advantage_inputs == ("teacher_logprobs", "old_logprobs")
     assert requirements(cfg).model_roles == ("teacher",)  # colocate: the Actor runs that forward
 
 
 def test_ppo_with_a_kl_loss_launches_reference_before_critic():
-    cfg = typed("algorithm=ppo", "algorithm.kl_loss_coef=0.05")
+    cfg = typed_config("algorithm=ppo", "algorithm.kl_loss_coef=0.05")
     assert requirements(cfg).model_roles == ("reference", "critic")
     assert requirements(cfg).advantage_inputs == ("values",)
 
 
 def test_old_logprobs_follow_the_size_of_the_batch_actually_trained():
     """Colocate decides per batch: dynamic sampling can keep fewer samples than a full step."""
-    cfg = typed("trainer.global_batch_size=64")
+    cfg = typed_config("trainer.global_batch_size=64")
     assert needs_old_logprobs(cfg, 128) and not needs_old_logprobs(cfg, 64)
-    assert not needs_old_logprobs(typed(), 128)
+    assert not needs_old_logprobs(typed_config(), 128)
 
 
 @pytest.mark.parametrize(
@@ -229,13 +213,13 @@ def test_old_logprobs_follow_the_size_of_the_batch_actually_trained():
 )
 def test_spec_rules_fail_with_one_line_naming_the_key(overrides, message):
     with pytest.raises(RelaxUserError) as err:
-        validate(typed(*overrides))
+        validate(typed_config(*overrides))
     assert str(err.value) == message
 
 
 def test_a_group_of_one_is_fine_where_no_rule_needs_a_group():
     for name in ("dr_grpo", "reinforce", "reinforce_pp", "ppo"):
-        validate(typed(f"algorithm={name}", "rollout.n_samples_per_prompt=1"))
+        validate(typed_config(f"algorithm={name}", "rollout.n_samples_per_prompt=1"))
 
 
 def test_reinforce_config_file_is_the_documented_example():

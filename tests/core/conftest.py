@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-import relax_launch.cli  # noqa: F401  (registers the structured-config schema with Hydra)
+import relax_launch.cli  # also registers the structured-config schema with Hydra
 from relax_core.config import RelaxConfig
 
 
@@ -20,6 +22,17 @@ def compose_config(overrides: list[str], output_dir: str | Path = ".") -> RelaxC
         cfg = compose("config", overrides=overrides)
     cfg.output_dir = str(output_dir)
     return OmegaConf.to_object(cfg)
+
+
+@functools.cache
+def _typed_once(overrides: tuple[str, ...]) -> RelaxConfig:
+    return OmegaConf.to_object(relax_launch.cli.compose_config(list(overrides)))
+
+
+def typed_config(*overrides: str) -> RelaxConfig:
+    """The typed config ``python -m relax_launch <overrides>`` runs with, composed once per session for the
+    tests that ask for the same one (a fresh copy each time: tests change it)."""
+    return copy.deepcopy(_typed_once(overrides))
 
 
 @pytest.fixture

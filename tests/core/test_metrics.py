@@ -16,6 +16,7 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
+from selection import selected
 
 from relax_core.errors import RelaxUserError
 from relax_core.metrics import MetricsSink, check_tracking_server, flatten, format_step_line
@@ -209,7 +210,7 @@ def mlflow_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     """The ``mlflow server`` of test_sink_logs_to_an_mlflow_server, started as the module starts (when that
     test is selected): its seconds of imports and store migration run beside the tests before it rather
     than ahead of it. Yields ``(uri, process)``; not waited for here."""
-    if not any(item.name == "test_sink_logs_to_an_mlflow_server" for item in request.session.items):
+    if not selected(request, "test_sink_logs_to_an_mlflow_server"):
         yield None
         return
     root = tmp_path_factory.mktemp("mlflow_server")

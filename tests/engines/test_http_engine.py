@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 from engine_helpers import make_engine
+from selection import selected
 
 from relax_core.config import ModelConfig
 from relax_core.engines import build_engine
@@ -298,11 +299,7 @@ STANDALONE = {"eager": [], "native": ["--native-kernels", "--dtype", "bfloat16"]
 def standalone_servers(request, tiny_model_dir) -> Iterator[dict[str, tuple[int, subprocess.Popen]]]:
     """The selected ``STANDALONE`` servers (port, process), all started at once: each start is mostly
     Python start-up on one core."""
-    wanted = {
-        item.callspec.id
-        for item in request.session.items
-        if item.module is request.module and item.originalname == "test_standalone_server_one_command"
-    }
+    wanted = {item.callspec.id for item in selected(request, "test_standalone_server_one_command")}
     servers = {}
     try:
         for name in STANDALONE.keys() & wanted:

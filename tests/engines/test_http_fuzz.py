@@ -25,6 +25,7 @@ import schemathesis
 from engine_helpers import make_engine
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
+from selection import selected
 
 from relax_core.agentic.server import AgentServer, TrajectoryStore, build_app
 from relax_core.control_plane import create_app as control_plane_app
@@ -206,7 +207,7 @@ def training_run(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path]]:
 @pytest.fixture(scope="module", autouse=True)
 def _start_training_run_first(request) -> None:
     """The run starts (Ray, its roles) before the in-process fuzzing, which holds one core, not two."""
-    if any(item.module is request.module and item.name == FUZZED_RUN_TEST for item in request.session.items):
+    if selected(request, FUZZED_RUN_TEST):
         request.getfixturevalue("training_run")
 
 

@@ -26,6 +26,7 @@ import torch
 from engine_helpers import check_ignore_eos
 from engine_helpers import reqs as requests
 from safetensors import safe_open
+from selection import selected
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
 from relax_core.config import ModelConfig, RolloutConfig
@@ -57,9 +58,7 @@ def engine(request: pytest.FixtureRequest, tiny_model_dir: Path):
     # start the MoE test's server now, in the background, when it will run: each start is mostly one
     # process's Python start-up at a time, so the two overlap on a CPU machine (on a GPU both would ask for
     # 0.85 of its memory)
-    if not torch.cuda.is_available() and any(
-        item.module is request.module and item.originalname == MOE_TEST for item in request.session.items
-    ):
+    if not torch.cuda.is_available() and selected(request, MOE_TEST):
         request.getfixturevalue("moe_engine")
     engine = VLLMEngine(str(tiny_model_dir), seed=0, dtype="float32", kv_cache_mib=64)
     yield engine

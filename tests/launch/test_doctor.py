@@ -3,33 +3,18 @@ config that cannot fit (relax_core/memory.py)."""
 
 from __future__ import annotations
 
-import copy
-import functools
-
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from relax_core.errors import RelaxUserError
 from relax_core.memory import GB, arch_from_config, engine_memory, estimate, trainer_memory
 from relax_core.placement import check_gpus
 from relax_core.validation import validate
-from relax_launch.cli import compose_config
 from relax_launch.doctor import main as doctor
+from tests.core.conftest import typed_config
 
 # a GPU run no 80 GB GPU holds: 30B parameters with AdamW on one unsharded rank
 OVERSIZED = ["model=qwen3_30b_a3b", "cluster.num_gpus=1", "rollout.num_gpus=0.5", "trainer.num_gpus=0.5"]
-
-
-@functools.cache
-def _composed(overrides: tuple[str, ...]):
-    return OmegaConf.to_object(compose_config(list(overrides)))
-
-
-def _cfg(overrides: list[str]):
-    """The typed config of ``overrides``, composed once per module for the tests that share it (a fresh copy
-    each time: tests change it)."""
-    return copy.deepcopy(_composed(tuple(overrides)))
 
 
 @pytest.mark.parametrize(
@@ -67,7 +52,7 @@ def test_parameter_count_matches_transformers(fields: dict) -> None:
 
 
 def test_trainer_arithmetic_by_hand() -> None:
-    cfg = _cfg(SHORT)
+    cfg = typed_config(*SHORT)
     arch = arch_from_config(
         {
             "vocab_size": 10,
@@ -95,10 +80,12 @@ def test_trainer_arithmetic_by_hand() -> None:
     assert m.other_activations == 2 * 16 * (2 * 4 * 4 + 328)
     # bf16 autocast over fp32 weights (torch backend): an fp32 residual stream, each of the 5 input
     # projections casting its own bf16 copy: 64 + 5 x 4 x 2 + (4 + 6) x 6 + 8 + 4 x 2 x 8 = 236 bytes
-    bf16 = trainer_memory(_cfg([*SHORT, "model.dtype=bfloat16"]), arch, "actor", trainable=True)
+    bf16 = trainer_memory(typed_config(*SHORT, "model.dtype=bfloat16"), arch, "actor", trainable=True)
     assert bf16.items["activations"] == 2 * 16 * 2 * 236
     # FSDP's mixed precision: bf16 weights, a bf16 residual stream, shared projection inputs: 180 bytes
-    fsdp = trainer_memory(_cfg([*SHORT, "model.dtype=bfloat16", "trainer.fsdp=true"]), arch, "actor", True)
+    fsdp = trainer_memory(
+        typed_config(*SHORT, "model.dtype=bfloat16", "trainer.fsdp=true"), arch, "actor", True
+    )
     assert fsdp.items["activations"] == 2 * 16 * 2 * 180
     # [2, 16, 10] fp32 logits, then per response token 4 bytes (gathered) + 6 fp32 copies of 10
     assert m.items["logits"] == 2 * 16 * 10 * 4 + 2 * 4 * 10 * (4 + 24)
@@ -114,7 +101,7 @@ def test_doctor_prints_the_default_experiment(capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize("recipe", ["dapo_math_qwen3_4b", "openr1_qwen3_vl_4b", "avqa_qwen3_omni_30b"])
 def test_shipped_recipes_fit_their_gpus(recipe: str) -> None:
     node = [] if recipe == "avqa_qwen3_omni_30b" else ["cluster.num_gpus=8"]  # its Slurm job names its nodes
-    report = estimate(_cfg([f"experiment={recipe}", *node]))
+    report = estimate(typed_config(f"experiment={recipe}", *node))
     assert report.gpu and report.capacity == 80 * GB
     assert report.fits, report.table()
 
@@ -130,14 +117,14 @@ def test_doctor_refuses_an_oversized_gpu_config_in_one_line(capsys: pytest.Captu
 
 def test_launcher_refuses_an_oversized_gpu_config_before_anything_starts() -> None:
     with pytest.raises(RelaxUserError) as err:
-        validate(_cfg(OVERSIZED))
+        validate(typed_config(*OVERSIZED))
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("memory: GPU 0 would need") and "cluster.gpu_memory_gb=80" in message
     assert "actor rank 0 (torch)'s optimizer" in message and "trainer.dp_size" in message
     # on bigger GPUs the memory check passes and the next one speaks (this config has no weights)
     with pytest.raises(RelaxUserError, match="needs its weights"):
-        validate(_cfg([*OVERSIZED, "cluster.gpu_memory_gb=1000"]))
+        validate(typed_config(*OVERSIZED, "cluster.gpu_memory_gb=1000"))
 
 
 # the hand-sized model above: hidden 4, q 2x2, kv 1x2, MLP 8, 2 layers, vocab 10, tied (356 parameters)
@@ -173,8 +160,8 @@ def test_lora_parameter_count_matches_apply_lora(moe: bool) -> None:
 
 def test_lora_trains_only_the_adapters_by_hand() -> None:
     arch = arch_from_config(SMALL)
-    full = trainer_memory(_cfg(SHORT), arch, "actor", trainable=True)
-    m = trainer_memory(_cfg([*SHORT, "trainer.lora.rank=2"]), arch, "actor", trainable=True)
+    full = trainer_memory(typed_config(*SHORT), arch, "actor", trainable=True)
+    m = trainer_memory(typed_config(*SHORT, "trainer.lora.rank=2"), arch, "actor", trainable=True)
     # rank x (in + out) per layer: q 4+4, k 4+2, v 4+2, o 4+4, gate 4+8, up 4+8, down 8+4 = 64; 2 layers
     adapters = 2 * 64 * 2
     assert adapters == 256
@@ -186,20 +173,24 @@ def test_lora_trains_only_the_adapters_by_hand() -> None:
     assert m.items["logits"] == full.items["logits"]
     assert "LoRA r2" in m.role
     # the Critic trains no adapters (its backend takes no trainer.lora)
-    critic = trainer_memory(_cfg([*SHORT, "trainer.lora.rank=2"]), arch, "critic", trainable=True)
+    critic = trainer_memory(typed_config(*SHORT, "trainer.lora.rank=2"), arch, "critic", trainable=True)
     assert critic.items["optimizer"] == 8 * 356
 
 
 def test_token_budget_sizes_activations_and_logits_by_hand() -> None:
     arch = arch_from_config(SMALL)
-    m = trainer_memory(_cfg([*SHORT, "trainer.max_tokens_per_micro_batch=40"]), arch, "actor", trainable=True)
+    m = trainer_memory(
+        typed_config(*SHORT, "trainer.max_tokens_per_micro_batch=40"), arch, "actor", trainable=True
+    )
     # 40 tokens (2.5 rows of 12 + 4) instead of 2 rows x 16; per token and layer 328 bytes, 2 layers
     assert m.items["activations"] == 40 * 2 * 328
     # packed Qwen3 rows: logits at the 2.5 x 4 response positions only, then 6 fp32 copies (unchunked)
     assert m.items["logits"] == 10 * 10 * (4 + 24)
     assert "40 tokens/micro-batch packed" in m.role
     # a budget below one row: the row trains alone
-    m = trainer_memory(_cfg([*SHORT, "trainer.max_tokens_per_micro_batch=8"]), arch, "actor", trainable=True)
+    m = trainer_memory(
+        typed_config(*SHORT, "trainer.max_tokens_per_micro_batch=8"), arch, "actor", trainable=True
+    )
     assert m.items["activations"] == 16 * 2 * 328 and m.items["logits"] == 4 * 10 * (4 + 24)
 
 
@@ -207,7 +198,7 @@ def test_kv_cache_token_budget_sizes_the_torch_engines_cache_by_hand() -> None:
     arch = arch_from_config(SMALL)
     # the default evaluation's sampled pass asks for 128 prompts x 8 samples at once: 1024 slots of 12 + 4
     # tokens rounded up to 64; K and V, 2 layers, kv_dim 2, fp32
-    cfg = _cfg(SHORT)
+    cfg = typed_config(*SHORT)
     m = engine_memory(cfg, arch, 0, gpu=False, capacity=None)
     assert m.items["kv_cache"] == 2 * 2 * 1024 * 64 * 2 * 4 and m.items["sampling"] == 1024 * 10 * 4 * 3
     # without evaluation sets, a step's 16 x 8 samples in 128 slots
@@ -237,7 +228,7 @@ def test_managed_judge_engines_are_processes_of_their_own_by_hand() -> None:
     """reward.judge: each judge engine is a CPU process holding the judge's weights and a dense KV cache of
     its rows (a policy row plus the verdict's tokens); on a GPU run a CPU judge is a note, off the GPUs' table,
     and a GPU judge (reward.judge.num_gpus) takes GPUs of its own."""
-    cfg = _cfg(["reward=genrm", "reward.judge.model=tiny_qwen3", "reward.judge.num_engines=2"])
+    cfg = typed_config("reward=genrm", "reward.judge.model=tiny_qwen3", "reward.judge.num_engines=2")
     report = estimate(cfg)
     judges = [d for d in report.devices if d.name.startswith("process judge engine")]
     assert [d.name for d in judges] == ["process judge engine 0", "process judge engine 1"]
@@ -250,11 +241,11 @@ def test_managed_judge_engines_are_processes_of_their_own_by_hand() -> None:
     assert items["engine_weights"] == arch.params * 4 + 4 * 128 * (128 + 2 * 64 + 2 * 384) * 4
     assert items["kv_cache"] == 2 * arch.num_layers * rows * tokens * arch.kv_dim * 4
     recipe = ["experiment=dapo_math_qwen3_4b", "reward=genrm", "reward.judge.model=tiny_qwen3"]
-    gpu = estimate(_cfg(recipe))
+    gpu = estimate(typed_config(*recipe))
     assert not any("judge" in r.role for d in gpu.devices for r in d.roles)
     assert any(n.startswith("1 judge engine(s) on the CPU") for n in gpu.notes)
     # reward.judge.num_gpus: each engine's bundle takes a GPU of its own, past the roles' GPUs
-    placed = estimate(_cfg([*recipe, "reward.judge.num_engines=2", "reward.judge.num_gpus=1"]))
+    placed = estimate(typed_config(*recipe, "reward.judge.num_engines=2", "reward.judge.num_gpus=1"))
     judged = [d for d in placed.devices if any("judge" in r.role for r in d.roles)]
     assert [[r.role for r in d.roles] for d in judged] == [
         ["judge engine (torch, float32) 0"],
@@ -262,7 +253,7 @@ def test_managed_judge_engines_are_processes_of_their_own_by_hand() -> None:
     ]
     assert len(placed.devices) == len(gpu.devices) + 2
     with pytest.raises(RelaxUserError, match=r"reward.judge.num_gpus$"):  # 8 GPUs for the roles, no room left
-        check_gpus(_cfg([*recipe, "reward.judge.num_gpus=1"]))
+        check_gpus(typed_config(*recipe, "reward.judge.num_gpus=1"))
 
 
 def test_chunked_logprobs_size_the_logit_buffers_by_hand() -> None:
@@ -271,18 +262,18 @@ def test_chunked_logprobs_size_the_logit_buffers_by_hand() -> None:
     v = 2**20  # a 4-position chunk of fp32 [4, V] is CHUNK_BYTES: 2 rows x 4 response positions are chunked
     assert CHUNK_BYTES // (4 * v) == 4
     arch = arch_from_config({**SMALL, "vocab_size": v})
-    m = trainer_memory(_cfg(SHORT), arch, "actor", trainable=True)
+    m = trainer_memory(typed_config(*SHORT), arch, "actor", trainable=True)
     # [2, 16, V] logits + [2, 4, V] gathered (fp32 model) + four fp32 chunk buffers, instead of 6 fp32 copies
     assert m.items["logits"] == 2 * 16 * v * 4 + 8 * v * 4 + 4 * CHUNK_BYTES
     plain = 2 * 16 * v * 4 + 8 * v * (4 + 24)
     assert plain - m.items["logits"] == 8 * v * 24 - 4 * CHUNK_BYTES
     # packed (budget 32 = 2 rows): no full logits; the backward holds them and their gradient, 3 chunks
     packed = trainer_memory(
-        _cfg([*SHORT, "trainer.max_tokens_per_micro_batch=32"]), arch, "actor", trainable=True
+        typed_config(*SHORT, "trainer.max_tokens_per_micro_batch=32"), arch, "actor", trainable=True
     )
     assert packed.items["logits"] == 2 * 8 * v * 4 + 3 * CHUNK_BYTES
     # a frozen scorer: the forward only
-    ref = trainer_memory(_cfg(SHORT), arch, "reference", trainable=False)
+    ref = trainer_memory(typed_config(*SHORT), arch, "reference", trainable=False)
     assert ref.items["logits"] == 2 * 16 * v * 4 + 8 * v * 4 + 4 * CHUNK_BYTES
 
 
