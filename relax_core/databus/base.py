@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Collection
 
 import torch
 
@@ -92,22 +93,29 @@ class DataBus(abc.ABC):
         fields: list[str],
         task: str | None,
         min_count: int,
-        timeout_s: float = 600.0,
-        poll_s: float = 0.005,
+        timeout_s: float | None = None,
+        among: Collection[str] | None = None,
     ) -> list[str]:
-        """Block until at least ``min_count`` keys are :meth:`ready`; return all ready keys.
+        """Block until at least ``min_count`` keys are :meth:`ready` (only keys in ``among`` count, when
+        given); return them all. ``timeout_s=None`` waits until they are, or until the partition is
+        cancelled (:class:`PartitionCancelled`): a rollout may rightly take longer than any fixed bound.
 
-        Polls with a backoff up to 50 ms so an idle consumer costs little CPU.
+        This default polls with a backoff up to 50 ms, so an idle consumer costs little CPU; the in-memory
+        and Ray buses wake the waiter as soon as a write lands instead.
         """
-        deadline = time.monotonic() + timeout_s
-        delay = poll_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        delay = 0.005
         while True:
             keys = self.ready(partition, fields, task)
+            if among is not None:
+                keys = [k for k in keys if k in among]
             if len(keys) >= min_count:
                 return keys
-            if time.monotonic() > deadline:
-                raise DataBusTimeout(
-                    f"{partition}: {len(keys)}/{min_count} rows with fields {fields} after {timeout_s:.0f} s"
-                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise DataBusTimeout(waited_too_long(partition, len(keys), min_count, fields, timeout_s))
             time.sleep(delay)
             delay = min(delay * 1.5, 0.05)
+
+
+def waited_too_long(partition: str, have: int, want: int, fields: list[str], timeout_s: float) -> str:
+    return f"{partition}: {have}/{want} rows with fields {fields} after {timeout_s:g} s"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Collection
 
-from relax_core.databus.base import DataBus, Fields, PartitionCancelled
+from relax_core.databus.base import DataBus, DataBusTimeout, Fields, PartitionCancelled, waited_too_long
 
 
 class InMemoryDataBus(DataBus):
@@ -16,6 +18,8 @@ class InMemoryDataBus(DataBus):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # notified on every write, cancel and clear: a waiting consumer wakes as soon as its rows land
+        self._changed = threading.Condition(self._lock)
         # partition -> key -> field -> value
         self._rows: dict[str, dict[str, dict]] = {}
         # partition -> task -> consumed keys
@@ -37,13 +41,53 @@ class InMemoryDataBus(DataBus):
                 row = rows.setdefault(key, {})
                 for name, values in fields.items():
                     row[name] = values[i]
+            self._changed.notify_all()
 
     def ready(self, partition: str, fields: list[str], task: str | None = None) -> list[str]:
         with self._lock:
-            self._check(partition)
-            rows = self._rows.get(partition, {})
-            done = self._consumed.get(partition, {}).get(task, set()) if task else set()
-            return sorted(k for k, row in rows.items() if k not in done and all(f in row for f in fields))
+            return self._ready(partition, fields, task)
+
+    def _ready(
+        self, partition: str, fields: list[str], task: str | None, among: Collection[str] | None = None
+    ) -> list[str]:
+        self._check(partition)
+        rows = self._rows.get(partition, {})
+        done = self._consumed.get(partition, {}).get(task, set()) if task else set()
+        keys = (k for k, row in rows.items() if k not in done and all(f in row for f in fields))
+        return sorted(k for k in keys if among is None or k in among)
+
+    def wait_ready(
+        self,
+        partition: str,
+        fields: list[str],
+        task: str | None,
+        min_count: int,
+        timeout_s: float | None = None,
+        among: Collection[str] | None = None,
+    ) -> list[str]:
+        keys = self.ready_within(partition, fields, task, min_count, timeout_s, among)
+        if len(keys) < min_count:
+            raise DataBusTimeout(waited_too_long(partition, len(keys), min_count, fields, timeout_s))
+        return keys
+
+    def ready_within(
+        self,
+        partition: str,
+        fields: list[str],
+        task: str | None,
+        min_count: int,
+        wait_s: float | None,
+        among: Collection[str] | None = None,
+    ) -> list[str]:
+        """The ready keys (of ``among``) once there are ``min_count``, or whatever there are after ``wait_s``."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        with self._changed:
+            while len(keys := self._ready(partition, fields, task, among)) < min_count:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._changed.wait(left)
+            return keys
 
     def get(self, partition: str, keys: list[str], fields: list[str]) -> Fields:
         with self._lock:
@@ -68,10 +112,12 @@ class InMemoryDataBus(DataBus):
             self._rows.pop(partition, None)
             self._consumed.pop(partition, None)
             self._cancelled.discard(partition)
+            self._changed.notify_all()
 
     def cancel(self, partition: str) -> None:
         with self._lock:
             self._cancelled.add(partition)
+            self._changed.notify_all()  # its waiters raise PartitionCancelled
 
     def partitions(self) -> list[str]:
         with self._lock:

@@ -226,11 +226,8 @@ class MicroStream:
     def _next_rows(self, want: int, pending: set[str]) -> tuple[list[str], Fields] | None:
         """``want`` rows of ``pending`` once that many are ready (keys, fields); None if the partition was
         cancelled meanwhile or the bus died (kept in ``bus_error``: every rank must stop together)."""
-        delay = 0.002
         try:
-            while len(ready := [k for k in self.bus.ready(self.part, self.need) if k in pending]) < want:
-                time.sleep(delay)
-                delay = min(delay * 1.5, 0.05)
+            ready = self.bus.wait_ready(self.part, self.need, None, want, among=pending)
             return ready[:want], get_rows(self.bus, self.part, ready[:want], self.need)
         except PartitionCancelled:
             return None

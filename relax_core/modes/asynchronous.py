@@ -278,6 +278,7 @@ class AsyncMode(Mode):
 
     def stop(self) -> None:
         self._end_push()  # a run that ends mid-publish lets a waiting scale-out finish
+        self._cancel_in_flight()
         if self.agent is not None:  # its program copies run in sessions of their own: end them first
             try:
                 handles.get(self.agent.shutdown.remote(), timeout=60)
@@ -308,6 +309,19 @@ class AsyncMode(Mode):
                 pass
             self.bus = None
         self.stop_judge()
+
+    def _cancel_in_flight(self) -> None:
+        """Cancel the partitions of the steps in flight, so that the roles waiting for their rows return: in
+        one process (``cluster=in_process``) a role's thread blocked in a wait would outlive its mode, e.g.
+        beside the new roles of a global restart."""
+        st = self.schedule
+        if self.bus is None or st is None:
+            return
+        for s in range(st.trained + 1, st.next_roll):
+            try:
+                self.bus.cancel(partition_name(s))
+            except Exception:  # noqa: BLE001  (best effort while tearing down: the bus may be gone)
+                pass
 
     def replaced(self, role: str, index: int, handle: Any) -> None:
         """Connect a replica restarted in place to the weight transfer; :meth:`_recover` publishes the

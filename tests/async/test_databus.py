@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -73,6 +74,42 @@ def check_contract(bus) -> None:
     bus.clear(part)
     bus.put(part, keys[:1], {name: values[:1] for name, values in fields.items()})
     assert bus.ready(part, SAMPLE_FIELDS) == keys[:1]
+    bus.clear(part)
+    check_waiting(bus, part, keys, fields)
+
+
+def check_waiting(bus, part: str, keys: list[str], fields) -> None:
+    """A consumer blocked in ``wait_ready`` gets the rows another thread writes meanwhile (only those of
+    ``among`` count when it names some), and a cancel ends its wait."""
+
+    def write_later(rows: slice) -> threading.Thread:
+        def write() -> None:
+            time.sleep(0.2)  # the consumer is waiting by then (if not, its first look finds the rows)
+            bus.put(part, keys[rows], {name: values[rows] for name, values in fields.items()})
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        return thread
+
+    writer = write_later(slice(0, 3))
+    assert bus.wait_ready(part, SAMPLE_FIELDS, "actor", min_count=2, among={keys[0], keys[2]}) == [
+        keys[0],
+        keys[2],
+    ]
+    writer.join()
+    writer = write_later(slice(3, 4))
+    assert bus.wait_ready(part, SAMPLE_FIELDS, "actor", min_count=4) == keys
+    writer.join()
+
+    def cancel_later() -> None:
+        time.sleep(0.2)
+        bus.cancel(part)
+
+    canceller = threading.Thread(target=cancel_later)
+    canceller.start()
+    with pytest.raises(PartitionCancelled):
+        bus.wait_ready(part, SAMPLE_FIELDS, "actor", min_count=99)
+    canceller.join()
     bus.clear(part)
 
 
