@@ -101,7 +101,7 @@ class DataBus(abc.ABC):
         cancelled (:class:`PartitionCancelled`): a rollout may rightly take longer than any fixed bound.
 
         This default polls with a backoff up to 50 ms, so an idle consumer costs little CPU; the in-memory
-        and Ray buses wake the waiter as soon as a write lands instead.
+        bus wakes the waiter as soon as a write lands instead.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay = 0.005

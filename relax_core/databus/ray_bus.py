@@ -10,20 +10,12 @@ starts in well under a second, which is why it is the default on small machines 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
 
 import ray
 import torch
 
-from relax_core.databus.base import DataBus, DataBusTimeout, Fields, waited_too_long
+from relax_core.databus.base import DataBus, Fields
 from relax_core.databus.memory import InMemoryDataBus
-
-# how long one waiting call may hold one of the server's threads: a wait longer than this is several calls,
-# so that waiters never keep writes from a free thread for long
-WAIT_SLICE_S = 1.0
-# the server's threads: every waiting consumer holds one (each Actor rank, each stage's first rank), and the
-# writes and reads need free ones; idle threads cost next to nothing
-SERVER_THREADS = 128
 
 # one field of many rows: (0-d values stacked, None) or (1-d values concatenated, their lengths)
 Packed = dict[str, tuple[torch.Tensor, list[int] | None]]
@@ -73,7 +65,7 @@ class RayDataBus(DataBus):
         # async scheduler then regenerates the steps that were in flight
         server = (
             ray.remote(BusServer)
-            .options(num_cpus=num_cpus, max_concurrency=SERVER_THREADS, name=name, max_restarts=-1)
+            .options(num_cpus=num_cpus, max_concurrency=16, name=name, max_restarts=-1)
             .remote()
         )
         ray.get(server.partitions.remote())  # raise here if it cannot start
@@ -89,27 +81,6 @@ class RayDataBus(DataBus):
 
     def ready(self, partition: str, fields: list[str], task: str | None = None) -> list[str]:
         return ray.get(self.server.ready.remote(partition, fields, task))
-
-    def wait_ready(
-        self,
-        partition: str,
-        fields: list[str],
-        task: str | None,
-        min_count: int,
-        timeout_s: float | None = None,
-        among: Collection[str] | None = None,
-    ) -> list[str]:
-        """Waits in the server, which answers as soon as a write makes ``min_count`` rows ready."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        among = None if among is None else set(among)
-        while True:
-            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
-            call = self.server.ready_within.remote(partition, fields, task, min_count, max(left, 0.0), among)
-            keys = ray.get(call)
-            if len(keys) >= min_count:
-                return keys
-            if deadline is not None and time.monotonic() >= deadline:
-                raise DataBusTimeout(waited_too_long(partition, len(keys), min_count, fields, timeout_s))
 
     def get(self, partition: str, keys: list[str], fields: list[str]) -> Fields:
         return unpack(ray.get(self.server.get_packed.remote(partition, keys, fields)))

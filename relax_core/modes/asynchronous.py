@@ -311,17 +311,15 @@ class AsyncMode(Mode):
         self.stop_judge()
 
     def _cancel_in_flight(self) -> None:
-        """Cancel the partitions of the steps in flight, so that the roles waiting for their rows return: in
-        one process (``cluster=in_process``) a role's thread blocked in a wait would outlive its mode, e.g.
-        beside the new roles of a global restart."""
+        """``cluster=in_process``: cancel the partitions of the steps in flight, so that the roles waiting for
+        their rows return; a role's thread blocked in a wait would outlive its mode, e.g. beside the new roles
+        of a global restart. (Ray's role processes are killed; a call to a bus server Ray is still placing
+        again after a node loss could block the teardown.)"""
         st = self.schedule
-        if self.bus is None or st is None:
+        if not self.in_process or self.bus is None or st is None:
             return
         for s in range(st.trained + 1, st.next_roll):
-            try:
-                self.bus.cancel(partition_name(s))
-            except Exception:  # noqa: BLE001  (best effort while tearing down: the bus may be gone)
-                pass
+            self.bus.cancel(partition_name(s))
 
     def replaced(self, role: str, index: int, handle: Any) -> None:
         """Connect a replica restarted in place to the weight transfer; :meth:`_recover` publishes the
