@@ -65,27 +65,12 @@ class InMemoryDataBus(DataBus):
         timeout_s: float | None = None,
         among: Collection[str] | None = None,
     ) -> list[str]:
-        keys = self.ready_within(partition, fields, task, min_count, timeout_s, among)
-        if len(keys) < min_count:
-            raise DataBusTimeout(waited_too_long(partition, len(keys), min_count, fields, timeout_s))
-        return keys
-
-    def ready_within(
-        self,
-        partition: str,
-        fields: list[str],
-        task: str | None,
-        min_count: int,
-        wait_s: float | None,
-        among: Collection[str] | None = None,
-    ) -> list[str]:
-        """The ready keys (of ``among``) once there are ``min_count``, or whatever there are after ``wait_s``."""
-        deadline = None if wait_s is None else time.monotonic() + wait_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._changed:
             while len(keys := self._ready(partition, fields, task, among)) < min_count:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    break
+                    raise DataBusTimeout(waited_too_long(partition, len(keys), min_count, fields, timeout_s))
                 self._changed.wait(left)
             return keys
 
