@@ -5,13 +5,15 @@ Run by the launcher (``python -m relax_launch experiment=agent_tools_calc``), wh
 Each episode is a question such as ``7+5`` or ``7*5``. The program offers two functions, ``add(a, b)`` and
 ``mul(a, b)``, runs the one the model calls and answers with its result: reward 1 for the right answer, so
 the model has to pick the function that fits the question and pass it the question's numbers.
-``RELAX_AGENT_STREAM=1`` reads every reply as a stream of chunks instead.
+``RELAX_AGENT_STREAM=1`` reads every reply as a stream of chunks instead; ``RELAX_AGENT_SESSIONS=4`` plays
+four episodes at once, one thread each.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import urllib.request
 
 from openai import OpenAI
@@ -19,6 +21,8 @@ from openai import OpenAI
 BASE_URL = os.environ["OPENAI_BASE_URL"].rstrip("/")
 EPISODES_URL = os.environ.get("RELAX_EPISODES_URL", f"{BASE_URL}/episodes/next")
 STREAM = os.environ.get("RELAX_AGENT_STREAM") == "1"
+# episodes this copy plays at once, one thread each: the endpoint batches the model calls of every session
+SESSIONS = int(os.environ.get("RELAX_AGENT_SESSIONS", "1"))
 TOOLS = [
     {
         "type": "function",
@@ -98,13 +102,21 @@ def play(client: OpenAI, episode: dict) -> None:
     post(f"{BASE_URL}/sessions/{session_id}/reward", {"reward": float(correct), "metrics": metrics})
 
 
-def main() -> None:
-    client = OpenAI()  # reads OPENAI_BASE_URL and OPENAI_API_KEY
+def play_until_done(client: OpenAI) -> None:
     while True:
         episode = post(EPISODES_URL, {})
         if episode["done"]:
             return
         play(client, episode)
+
+
+def main() -> None:
+    client = OpenAI()  # reads OPENAI_BASE_URL and OPENAI_API_KEY; one client serves every thread
+    sessions = [threading.Thread(target=play_until_done, args=(client,)) for _ in range(SESSIONS)]
+    for session in sessions:
+        session.start()
+    for session in sessions:
+        session.join()
 
 
 if __name__ == "__main__":

@@ -602,14 +602,26 @@ def build_app(
     return app
 
 
+# The handlers are plain functions, run on AnyIO's worker threads (40 by default). Every session of every
+# program copy may hold one (waiting for its next episode, or for the model), and a program may run many
+# sessions at once: the engine batches what waits here, so the pool must not be what limits the batch.
+HANDLER_THREADS = 512
+
+
 class AgentServer:
     """The app served by uvicorn in a background thread (``with AgentServer(...) as server: server.url``)."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0) -> None:
+        import anyio.to_thread
         import uvicorn
 
+        class Server(uvicorn.Server):
+            async def serve(self, sockets=None) -> None:
+                anyio.to_thread.current_default_thread_limiter().total_tokens = HANDLER_THREADS
+                await super().serve(sockets)
+
         self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(self.config)
+        self.server = Server(self.config)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="relax-agent-server")
         self.url = ""
 

@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 import torch
 
 from relax_core.agentic.formatting import render_messages
-from relax_core.agentic.server import AgentServer, TrajectoryStore, build_app
+from relax_core.agentic.server import AgentServer, EpisodeBoard, TrajectoryStore, build_app
 from relax_core.engines.base import SamplingParams
 from relax_core.samples import TrainBatch
 
@@ -163,3 +167,38 @@ def test_agent_endpoint_rejects_non_finite_rewards_and_counts_out_of_range_ones(
     assert done["b"].reward == 0.0 and done["b"].reward_extras["reward_error"] == 1.0
     assert "reward.max_abs=100" in done["b"].metadata["reward_error"]
     assert done["c"].reward == 0.5 and done["c"].reward_extras["reward_error"] == 0.0
+
+
+class CountingBoard(EpisodeBoard):
+    """An episode board that counts the requests waiting in it."""
+
+    def __init__(self, store: TrajectoryStore) -> None:
+        super().__init__(store, is_live_worker=lambda worker: True)
+        self.waiting = 0
+        self._count = threading.Lock()
+
+    def take(self, worker):
+        with self._count:
+            self.waiting += 1
+        return super().take(worker)
+
+
+def test_a_model_call_is_served_while_many_sessions_wait_for_episodes(engine, tokenizer):
+    """A program may play many sessions at once: 100 of them waiting for their next episode (each waiting
+    request holds one of the endpoint's handler threads) leave room for another session's model call; the
+    board's close answers every one of them."""
+    store = TrajectoryStore()
+    board = CountingBoard(store)
+    app = build_app(engine, tokenizer, SamplingParams(max_new_tokens=2), store, board=board)
+    with AgentServer(app) as srv, ThreadPoolExecutor(100) as pool:
+        waiters = [pool.submit(httpx.post, f"{srv.url}/v1/episodes/next", timeout=120) for _ in range(100)]
+        deadline = time.monotonic() + 120
+        while board.waiting < 100 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert board.waiting == 100
+        chat = {"messages": [{"role": "user", "content": "1+1"}], "user": "busy"}
+        reply = httpx.post(f"{srv.url}/v1/chat/completions", json=chat, timeout=60)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["role"] == "assistant"
+        assert not any(w.done() for w in waiters)  # still waiting: the call did not wait for them
+        board.close()
+        assert [w.result().json() for w in waiters] == [{"done": True}] * 100
