@@ -6,6 +6,7 @@ Each episode is a question such as ``37+45``. The model may call the calculator 
 ``calc(37+45)``; the program replies with a tool message ``=82``; any other answer is final. Reward 1 for
 the right final answer given after a calculator call. Only the standard library is needed; with the
 ``openai`` package installed (and RELAX_AGENT_CLIENT unset or ``openai``) the calls go through it instead.
+``RELAX_AGENT_SESSIONS=16`` plays sixteen episodes at once, one thread each.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import urllib.request
 
 BASE_URL = os.environ["OPENAI_BASE_URL"].rstrip("/")
 EPISODES_URL = os.environ.get("RELAX_EPISODES_URL", f"{BASE_URL}/episodes/next")
 MAX_TURNS = 3
+# episodes this copy plays at once, one thread each: the endpoint batches the model calls of every session
+SESSIONS = int(os.environ.get("RELAX_AGENT_SESSIONS", "1"))
 CALL = re.compile(r"^calc\(([0-9+\-*]{1,32})\)$")
 TERM = re.compile(r"^\d+([+\-*]\d+)*$")
 
@@ -86,13 +90,21 @@ def play(episode: dict, chat) -> None:
     post(f"{BASE_URL}/sessions/{session_id}/reward", {"reward": float(correct), "metrics": metrics})
 
 
-def main() -> None:
-    chat = openai_chat() or chat_urllib
+def play_until_done(chat) -> None:
     while True:
         episode = post(EPISODES_URL, {})
         if episode["done"]:
             return
         play(episode, chat)
+
+
+def main() -> None:
+    chat = openai_chat() or chat_urllib
+    sessions = [threading.Thread(target=play_until_done, args=(chat,)) for _ in range(SESSIONS)]
+    for session in sessions:
+        session.start()
+    for session in sessions:
+        session.join()
 
 
 if __name__ == "__main__":
