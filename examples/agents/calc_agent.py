@@ -15,6 +15,7 @@ import json
 import os
 import re
 import threading
+import traceback
 import urllib.request
 
 BASE_URL = os.environ["OPENAI_BASE_URL"].rstrip("/")
@@ -91,11 +92,17 @@ def play(episode: dict, chat) -> None:
 
 
 def play_until_done(chat) -> None:
-    while True:
-        episode = post(EPISODES_URL, {})
-        if episode["done"]:
-            return
-        play(episode, chat)
+    try:
+        while True:
+            episode = post(EPISODES_URL, {})
+            if episode["done"]:
+                return
+            play(episode, chat)
+    except BaseException:
+        # one failed session ends the whole copy, as it would with one session: the trainer then fails this
+        # copy's episodes and restarts it at once, instead of waiting out the episode timeout
+        traceback.print_exc()
+        os._exit(1)
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import traceback
 import urllib.request
 
 from openai import OpenAI
@@ -103,11 +104,17 @@ def play(client: OpenAI, episode: dict) -> None:
 
 
 def play_until_done(client: OpenAI) -> None:
-    while True:
-        episode = post(EPISODES_URL, {})
-        if episode["done"]:
-            return
-        play(client, episode)
+    try:
+        while True:
+            episode = post(EPISODES_URL, {})
+            if episode["done"]:
+                return
+            play(client, episode)
+    except BaseException:
+        # one failed session ends the whole copy, as it would with one session: the trainer then fails this
+        # copy's episodes and restarts it at once, instead of waiting out the episode timeout
+        traceback.print_exc()
+        os._exit(1)
 
 
 def main() -> None:
