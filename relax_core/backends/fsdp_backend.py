@@ -250,7 +250,7 @@ class FSDPBackend(TorchBackend):
         else:
             state = {"model": get_model_state_dict(self.model, options=options)}
             dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
-            set_state_dict(self.model, [], model_state_dict=state["model"], options=options)
+            set_model_state_dict(self.model, state["model"], options=options)
         if self.scheduler is not None and meta["scheduler"] is not None:
             self.scheduler.load_state_dict(meta["scheduler"])
         set_rng_state(meta["rng"])
