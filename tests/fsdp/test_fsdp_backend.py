@@ -168,6 +168,9 @@ def _worker(rank: int, port: int, model_dir: str, tmp: str, queue: Any) -> None:
             "local_numel": sum(p.to_local().numel() for p in reference.model.parameters()),
             "logprobs": reference.forward_logprobs(batch, 3),
         }
+        # a frozen backend (no optimizer) restores the model weights of a checkpoint saved with one
+        reference.load_checkpoint(str(Path(tmp) / "ckpt"))
+        result["reference"]["restored"] = reference.state_dict()
         result["critic"] = critic_trajectory(Critic(critic_config(), model_dir, sharded=True), batch)
         # token-budget packing: the rank with fewer groups splits one, so both run as many micro-batches
         from relax_core.backends.base import rank_slice, row_lengths, token_budget_groups
@@ -319,7 +322,8 @@ def test_each_rank_holds_half_the_parameters(sharded, single) -> None:
 
 def test_sharded_reference_scores_like_the_unsharded_model(sharded, single) -> None:
     """``build_backend(..., trainable=False, sharded=True)`` (the colocate Reference): half the weights per
-    rank, no optimizer, and the log-probs of the unsharded model loaded from the same folder."""
+    rank, no optimizer, the log-probs of the unsharded model loaded from the same folder; and it restores the
+    model weights of a checkpoint saved with an optimizer (a Reference restarted in place loads its copy)."""
     full = sum(t.numel() for name, t in single["weights1"].items() if name != "lm_head.weight")
     for rank in range(WORLD):
         reference = sharded[rank]["reference"]
@@ -327,6 +331,7 @@ def test_sharded_reference_scores_like_the_unsharded_model(sharded, single) -> N
         assert reference["local_numel"] <= full // WORLD + 1024
         torch.testing.assert_close(reference["logprobs"], single["logprobs"], rtol=1e-5, atol=1e-5)
         assert torch.equal(reference["logprobs"], sharded[rank]["logprobs"])  # the Actor's before training
+        _assert_weights_equal(reference["restored"], sharded[rank]["weights1"])
 
 
 def test_sharded_critic_fits_like_the_unsharded_critic(sharded, single) -> None:
