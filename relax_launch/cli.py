@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import logging
 import sys
+from typing import NoReturn
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -39,9 +40,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         run_experiment(cfg)
     except RelaxUserError as err:
-        log.error("error: %s", err)
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _fail(str(err))
     except RunFailedError as err:  # restarts exhausted; the full report is in <run dir>/failure_report.json
         print(f"error: run failed: {str(err).splitlines()[0]}", file=sys.stderr)
         sys.exit(1)
@@ -51,9 +50,18 @@ def _hydra_main(cfg: DictConfig) -> None:
         full = disk_full(err, cfg.output_dir)
         if full is None:
             raise
-        log.error("error: %s", full)
-        print(f"error: {full}", file=sys.stderr)
-        sys.exit(2)
+        _fail(str(full))
+
+
+def _fail(message: str) -> NoReturn:
+    """Exit 2 with one line on stderr; the run dir's log (``cli.log``) records it too, but the console,
+    where Hydra's handler would print it a second time, does not."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "error: %s", (message,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def unknown_keys(node: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:

@@ -267,9 +267,11 @@ def test_bad_override_on_the_command_line_fails_fast_with_one_line(cli) -> None:
 
 def test_bad_input_on_the_command_line_fails_before_ray_with_one_line(cli) -> None:
     result = cli["data_bad_json"]
-    assert_one_error_line(result, "bad_json.jsonl", "line 2", "invalid JSON")
+    line = assert_one_error_line(result, "bad_json.jsonl", "line 2", "invalid JSON")
     output = result.stdout + result.stderr
     assert not any(marker in output for marker in RAY_MARKERS), output[-2000:]
+    assert line not in result.stdout  # once on the console, not again in Hydra's log lines
+    assert line in (cli["_tmp"] / "data_bad_json" / "run" / "cli.log").read_text()  # the run dir keeps it
 
 
 def test_more_logical_cpus_than_the_cluster_has_fails_with_one_error_naming_the_knobs(cli) -> None:
