@@ -21,9 +21,10 @@ from relax_launch.cluster import LAUNCHERS
 
 CONFIG_MODULE = "relax_launch.conf"
 ConfigStore.instance().store(name="relax_schema", node=RelaxConfig)
-# each cluster option's own schema; conf/cluster/<name>.yaml extends ``base_<name>``
+# each cluster option's own schema, in no group (--help lists only the options);
+# conf/cluster/<name>.yaml extends ``/cluster_<name>_schema``
 for _name, _launcher in LAUNCHERS.items():
-    ConfigStore.instance().store(group="cluster", name=f"base_{_name}", node=_launcher.schema)
+    ConfigStore.instance().store(name=f"cluster_{_name}_schema", node=_launcher.schema)
 log = logging.getLogger("relax")
 
 
