@@ -185,6 +185,17 @@ def multimodal_model_inputs(
     return input_ids, kwargs
 
 
+def check_engine_takes_media(cfg: RelaxConfig) -> None:
+    """Only ``rollout=torch`` engines take media; the memory doctor asks too, before it sizes the run."""
+    media = [kind for kind, column in cfg.modality.keys.items() if column is not None]
+    if media and cfg.rollout.engine != "torch":
+        raise RelaxUserError(
+            f"rollout={cfg.rollout.engine} cannot take {'/'.join(media)} inputs yet (its HTTP client sends token "
+            f"ids only, so the engine would never see the media of modality={cfg.modality.name}): use "
+            "rollout=torch"
+        )
+
+
 def validate_model_and_modality(cfg: RelaxConfig) -> None:
     """Before Ray starts: the model family exists and can take ``modality``, ``modality.keys`` fit it, a
     model without a tiny spec has ``model.path`` and a run without a synthetic task has a dataset file."""
@@ -200,13 +211,7 @@ def validate_model_and_modality(cfg: RelaxConfig) -> None:
             f"{cfg.modality.name}"
         ) from None
     check_modality_keys(cfg.modality)
-    media = [kind for kind, column in cfg.modality.keys.items() if column is not None]
-    if media and cfg.rollout.engine != "torch":
-        raise RelaxUserError(
-            f"rollout={cfg.rollout.engine} cannot take {'/'.join(media)} inputs yet (its HTTP client sends token "
-            f"ids only, so the engine would never see the media of modality={cfg.modality.name}): use "
-            "rollout=torch"
-        )
+    check_engine_takes_media(cfg)
     if not cfg.model.path and cfg.model.tiny is None:
         raise RelaxUserError(
             f"model={cfg.model.name} needs its weights: set model.path=/path/to/hf/folder "

@@ -1,6 +1,7 @@
 """``python -m relax_launch.doctor <the same overrides as a run>``: the memory each GPU (or, on a CPU run,
 each role process) will hold, per role, and whether it fits in ``cluster.gpu_memory_gb``; exit 0 when it
-fits, 1 when it does not, 2 for a config that does not compose. Nothing is started, no weights are read."""
+fits, 1 when it does not, 2 for a config that does not compose or an engine that cannot take the run's
+media. Nothing is started, no weights are read."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from relax_core.errors import RelaxUserError
 
 def main(argv: list[str] | None = None) -> int:
     from relax_core.memory import estimate
+    from relax_core.multimodal import check_engine_takes_media
     from relax_launch.cli import compose_config, composition_problem
 
     overrides = sys.argv[1:] if argv is None else argv
@@ -21,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        report = estimate(OmegaConf.to_object(compose_config(overrides)))
+        cfg = OmegaConf.to_object(compose_config(overrides))
+        check_engine_takes_media(cfg)  # a run the launcher refuses does not "fit"
+        report = estimate(cfg)
     except RelaxUserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

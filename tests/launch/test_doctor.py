@@ -106,6 +106,21 @@ def test_shipped_recipes_fit_their_gpus(recipe: str) -> None:
     assert report.fits, report.table()
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_doctor_refuses_a_multimodal_recipe_on_an_http_engine_as_the_launcher_does(
+    engine: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The VL recipe's memory fits with any engine, but vLLM and SGLang are driven with token ids: the doctor
+    says what the launcher would, instead of "fits"."""
+    assert doctor(["experiment=openr1_qwen3_vl_4b", f"rollout={engine}", "cluster.num_gpus=8"]) == 2
+    captured = capsys.readouterr()
+    assert "verdict" not in captured.out
+    assert captured.err.strip() == (
+        f"error: rollout={engine} cannot take image inputs yet (its HTTP client sends token ids only, so the "
+        "engine would never see the media of modality=vision): use rollout=torch"
+    )
+
+
 def test_doctor_refuses_an_oversized_gpu_config_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert doctor(OVERSIZED) == 1
     captured = capsys.readouterr()
