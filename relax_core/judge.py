@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import importlib.resources
+import json
 import logging
 import os
 import sys
@@ -56,6 +57,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("relax")
 DTYPES = ("float32", "bfloat16", "float16")  # what the engine server's --dtype takes
+# one token from a fresh server before the router hands it requests: its first forward pays one-off costs
+# (kernel selection, allocator growth) that would otherwise land on the first genrm calls' timeout_s
+WARM_UP_BODY = json.dumps({"text": "warm up", "sampling_params": {"max_new_tokens": 1}}).encode()
 
 
 def judge_model_path(judge: JudgeConfig, output_dir: str, seed: int) -> str:
@@ -139,12 +143,25 @@ class JudgeEngine:
         return ServerProcess(self.launch.command, self.launch.env, cwd=self.launch.cwd)
 
     def wait_up(self) -> str | None:
-        """None once the server answers ``/health``; else why it did not within ``startup_timeout_s``."""
+        """None once the server answers ``/health`` and has generated its warm-up token; else why it did
+        not answer within ``startup_timeout_s``."""
         try:
             self.process.wait_healthy(self.healthy, "judge engine", self.judge.startup_timeout_s)
         except RuntimeError as err:
             return str(err)
+        self.warm_up()
         return None
+
+    def warm_up(self) -> None:
+        """One short generation (``WARM_UP_BODY``); a failure is logged: ``/health`` decides routing."""
+        request = urllib.request.Request(
+            f"{self.url}/generate", WARM_UP_BODY, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.judge.startup_timeout_s) as reply:
+                reply.read()
+        except OSError as err:  # refused, timed out, or an HTTP error status
+            log.warning("judge engine at %s failed its warm-up generation: %s", self.url, err)
 
     def pid(self) -> int:
         return self.process.pid
@@ -162,8 +179,12 @@ class JudgeEngine:
     def check(self) -> tuple[bool, str | None]:
         """(the server answers ``/health``, why it was started again or None). A server whose process died,
         or that has not answered for ``hang_timeout_s`` since it was last up (``startup_timeout_s`` since
-        its start), is stopped with its process group and started again on its port."""
+        its start), is stopped with its process group and started again on its port. A restarted server
+        is warmed up before it counts as up."""
+        restarted = self.last_healthy is None
         if self.healthy():
+            if restarted:
+                self.warm_up()
             return True, None
         if not self.process.alive():
             fault = f"died (exit code {self.process.popen.poll()})"

@@ -31,6 +31,7 @@ def score(url: str, **parser: str) -> list[tuple[float, dict[str, float]]]:
         "url": url,
         "template": "{question} {reference} {response}",
         "sampling_params": {"max_new_tokens": 4},
+        "timeout_s": 60.0,  # a slow host's judge is still an answer here; the timeout has its own test
     }
     cfg = RewardConfig(name="genrm", num_workers=0, kwargs=kwargs | parser)
     with RewardExecutor(cfg) as ex:
