@@ -16,7 +16,8 @@ With ``cluster=in_process`` (no Ray) the roles are objects in the driver and the
 Health: a thread asks every engine each ``reward.judge.health_interval_s`` to probe its server; a server
 that died, or has not answered ``/health`` for ``reward.judge.hang_timeout_s`` (hung), is started again on
 its port, and an engine whose actor is gone (killed, or its node lost) is replaced by a new actor in the
-same bundle. The router sends an engine nothing until it answers again. Restarts are the step metric
+same bundle. The router sends an engine nothing until it answers again and has generated one warm-up token
+(at start too), so first-call costs do not land on genrm's ``timeout_s``. Restarts are the step metric
 ``judge/restarts``. A request that finds no engine up within ``reward.judge.wait_s`` is refused (503), which
 genrm scores as a counted 0 (``reward/judge_errors``). An engine that never comes up at start stops the
 launch with one line. A server outlives neither its role's process nor the driver (``--parent-pid``).
