@@ -287,10 +287,16 @@ class HealthManager:
         groups = self.groups()
         for name, i in dead:
             self._event("dead", name, i, "process gone or unresponsive")
+        # every replica that cannot be replaced in place is named: one dying beside the Actor is news too
+        lost = [
+            f"{name}-{i} died"
+            for name, i in dead
+            if name in GLOBAL_ROLES or groups[name].collective or groups[name].shared is not None
+        ]
+        if lost:
+            raise GlobalRestartNeeded("; ".join(lost))
         for name, i in dead:
             group = groups[name]
-            if name in GLOBAL_ROLES or group.collective or group.shared is not None:
-                raise GlobalRestartNeeded(f"{name}-{i} died")
             if group.restarts[i] >= self.max_role_restarts:
                 raise GlobalRestartNeeded(f"{name}-{i} failed after {group.restarts[i]} in-place restarts")
         for name, i in dead:

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from resilience_helpers import TINY_RUN, actor_pid, compose, read_metrics, wait_for_step
+from resilience_helpers import TINY_RUN, actor_pid, compose, read_metrics, recovered, wait_for_step
 
 from relax_core.databus.transferqueue import CONTROLLER, CONTROLLER_NAMESPACE, STORAGE_UNIT
 from relax_launch.run import run_experiment
@@ -38,18 +38,23 @@ TOTAL = 28  # room for the seven kills: each waits until the run has recovered f
 def run_killing(cfg, run_dir: Path, kills: list[tuple[int, str, str | None]]) -> tuple[dict, list[int]]:
     """Run ``cfg`` while a thread SIGKILLs each ``(step, actor name, namespace)`` in turn, once that step is
     logged; returns the run's summary and, for each kill, the last step logged before it. Each kill waits
-    until the run has recovered from the one before: two deaths found in one recovery would be counted as
-    one (and the Actor's global restart would hide the other)."""
+    until a row counts more recoveries than the last row before the kill ahead of it: two deaths found in
+    one recovery would be counted as one (and the Actor's global restart would hide the other). One kill
+    may count two recoveries (a step retried in place whose Actor had already updated, then the restart
+    from the checkpoint), so the count to wait for is read, not assumed."""
     killed: list[str] = []
     logged_before: list[int] = []
     errors: list[BaseException] = []
 
     def kill_in_turn() -> None:
         try:
-            for done, (step, name, namespace) in enumerate(kills):
-                wait_for_step(run_dir, step, recoveries=done)
+            seen = -1  # recoveries counted by the last row before the previous kill
+            for step, name, namespace in kills:
+                wait_for_step(run_dir, step, recoveries=seen + 1)
                 pid = actor_pid(name, namespace)
-                logged_before.append(max(r["step"] for r in read_metrics(run_dir)))
+                rows = read_metrics(run_dir)
+                logged_before.append(max(r["step"] for r in rows))
+                seen = max(recovered(r) for r in rows)
                 os.kill(pid, signal.SIGKILL)
                 killed.append(name)
         except Exception as err:  # noqa: BLE001  (reported by the test)
