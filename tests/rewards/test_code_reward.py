@@ -40,7 +40,7 @@ def test_code_reward_scores_stdin_and_assert_tests() -> None:
         "tests": [{"stdin": "2 3\n", "stdout": "5"}, {"stdin": "10 -4\n", "stdout": "6\n"}],
         "asserts": ["assert add(2, 3) == 5", "assert add(0, 0) == 1"],
     }
-    # assert tests run the program with the assert appended (and empty stdin)
+    # assert tests run the program (with empty stdin), then evaluate add(...) on it
     response = (
         "Here:\n```python\nimport sys\ndef add(a, b):\n    return a + b\n\nargs = sys.stdin.read().split()\n"
         "if args:\n    print(add(*map(int, args)))\n```\n"
@@ -73,8 +73,9 @@ def test_code_reward_escapes_score_zero_and_change_nothing(tmp_path: Path) -> No
         "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
         "infinite_loop": "while True:\n    pass\n",
         "huge_output": "while True:\n    print('x' * 100000)\n",
-        "rm_rf": f"import os, subprocess\nsubprocess.run(['rm', '-rf', os.getcwd(), {str(canary)!r}])\n"
-        f"assert not os.path.exists({str(canary)!r})\n",
+        # the host's /tmp is not even visible in the sandbox now: the canary must be seen to count
+        "rm_rf": f"import os, subprocess\nassert os.path.exists({str(canary)!r})\n"
+        f"subprocess.run(['rm', '-rf', os.getcwd(), {str(canary)!r}])\nassert not os.path.exists({str(canary)!r})\n",
         "socket": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'x')\n",
         "memory_bomb": "x = bytearray(4 << 30)\n",
     }
