@@ -73,7 +73,7 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     # optimizer steps taken on one rollout batch (>1 makes later mini-batches off-policy)
     ppo_epochs: int = 1
-    # constant divisor of seq-mean-token-sum-norm aggregation (null: the max response length)
+    # constant divisor of seq-mean-token-sum-norm aggregation (null: rollout.max_new_tokens)
     loss_scale: float | None = None
     # |log π − log π_old| clamp before exp() in every ratio
     log_ratio_clamp: float = 20.0

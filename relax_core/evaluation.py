@@ -18,8 +18,9 @@ from omegaconf import OmegaConf
 from relax_core.config import EvalSetConfig, RelaxConfig
 from relax_core.data import load_prompts
 from relax_core.engines.base import SamplingParams
-from relax_core.errors import RelaxUserError
+from relax_core.errors import RelaxUserError, RunFailedError
 from relax_core.eval_metrics import answer_key, length_stats, sampled_metrics
+from relax_core.health import apply_reward
 from relax_core.samples import PromptRecord, Sample
 from relax_rewards.config import RewardConfig
 from relax_rewards.executor import RewardExecutor, RewardItem
@@ -163,7 +164,7 @@ class Evaluator:
             if self._greedy_due(s, step):
                 # the engines' own greedy sampling unless the set has its own response budget
                 greedy = SamplingParams(budget, temperature=0.0) if s.max_new_tokens else None
-                samples = self._score(es, generate(es.prompts, True, greedy))
+                samples = self._score(es, generate(es.prompts, True, greedy), step)
                 versions += [x.policy_version for x in samples]
                 out[f"{prefix}/accuracy"] = sum(map(solved, samples)) / len(samples)
                 out[f"{prefix}/reward"] = sum(x.reward for x in samples) / len(samples)
@@ -186,7 +187,7 @@ class Evaluator:
         sampling = SamplingParams(
             budget, s.temperature, s.top_p, self.cfg.rollout.top_k, n=s.n_samples, seed=seed
         )
-        samples = self._score(es, generate(es.prompts, False, sampling))
+        samples = self._score(es, generate(es.prompts, False, sampling), step)
         versions += [x.policy_version for x in samples]
         groups = []
         for i in range(0, len(samples), s.n_samples):
@@ -205,13 +206,28 @@ class Evaluator:
         )
         return out
 
-    def _score(self, es: EvalSet, samples: list[Sample]) -> list[Sample]:
+    def _score(self, es: EvalSet, samples: list[Sample], step: int) -> list[Sample]:
+        """``samples`` scored by the set's own reward (else the engines' scores stand). Before RL (step 0),
+        a pass whose every sample is a reward error stops the run: the rest of the evaluation, and every
+        step after it, would score nothing but errors (a reward that times out costs its timeout each)."""
+        reward = es.reward or self.cfg.reward
         if es.reward is not None:
             if es.rewards is None:
                 es.rewards = RewardExecutor.from_config(with_run_judge(es.reward, self.cfg.reward))
             items = [RewardItem(x.uid, x.response_text, x.label, x.metadata, x.group_id) for x in samples]
             for x, outcome in zip(samples, es.rewards.score(items), strict=True):
-                x.reward, x.reward_extras = outcome.reward, dict(outcome.extras)
+                apply_reward(x, outcome, reward.max_abs)
+        if step == 0 and samples and all(x.reward_extras.get("reward_error") for x in samples):
+            first, key = samples[0], "reward" if es.reward is None else f"eval.sets.{es.name}.reward"
+            error = (first.metadata or {}).get("reward_error")
+            if error == "timeout":
+                error = (
+                    f"timed out ({key}.timeout_s={reward.timeout_s:g}: raise it if the reward is only slow)"
+                )
+            raise RunFailedError(
+                f"eval set {es.name} before RL: all {len(samples)} samples are reward errors of reward "
+                f"{reward._target_ or reward.name!r}; the first, sample {first.uid}: {error}"
+            )
         return samples
 
     def close(self) -> None:

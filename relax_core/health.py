@@ -60,6 +60,16 @@ def reward_problem(value: float, max_abs: float) -> str | None:
     return None
 
 
+def apply_reward(sample, outcome, max_abs: float) -> None:
+    """Fill ``sample``'s reward and extras from the executor's ``outcome``; a failed call, or a reward
+    :func:`reward_problem` refuses, is a counted reward error."""
+    sample.reward = outcome.reward
+    sample.reward_extras = dict(outcome.extras) | {"reward_error": 0.0}
+    error = outcome.error or reward_problem(outcome.reward, max_abs)
+    if error is not None:
+        mark_reward_error(sample, error)
+
+
 def mark_reward_error(sample, error: str) -> None:
     """Score ``sample`` 0 as a counted reward error; its metadata (a copy: a prompt's samples share one
     dict) keeps the error, which a stopped run quotes."""

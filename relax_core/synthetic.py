@@ -76,14 +76,23 @@ def digits_row(rng: random.Random, cfg: DataConfig) -> dict:
     return {"prompt": f"sort {digits}:", "label": "".join(sorted(digits)), "metadata": {"task": "sort"}}
 
 
-def generate_synthetic(cfg: DataConfig, folder: str | Path, seed: int) -> tuple[str, str]:
-    """Write ``train.jsonl`` and ``eval.jsonl`` for ``cfg.synthetic``; eval prompts never occur in train."""
+def _task(cfg: DataConfig) -> Callable[[random.Random, DataConfig], dict]:
     if cfg.synthetic not in SYNTHETIC_TASKS:
         raise RelaxUserError(
             f"data.synthetic={cfg.synthetic!r} is unknown; choose one of {SYNTHETIC_TASKS.names()}"
         )
-    make_row = SYNTHETIC_TASKS[cfg.synthetic]
-    rng = random.Random(seed)
+    return SYNTHETIC_TASKS[cfg.synthetic]
+
+
+def first_synthetic_rows(cfg: DataConfig, seed: int, n: int) -> list[dict]:
+    """The first ``n`` rows :func:`generate_synthetic` draws (in memory, media not written)."""
+    make_row, rng = _task(cfg), random.Random(seed)
+    return [make_row(rng, cfg) for _ in range(n)]
+
+
+def generate_synthetic(cfg: DataConfig, folder: str | Path, seed: int) -> tuple[str, str]:
+    """Write ``train.jsonl`` and ``eval.jsonl`` for ``cfg.synthetic``; eval prompts never occur in train."""
+    make_row, rng = _task(cfg), random.Random(seed)
     eval_rows = {}
     while len(eval_rows) < cfg.num_eval:
         row = make_row(rng, cfg)

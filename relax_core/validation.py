@@ -84,11 +84,16 @@ def validate(cfg: RelaxConfig) -> None:
     if cfg.reward._target_ is None:
         _check_choice("reward.name", cfg.reward.name, relax_rewards.available())
     if r.agent is None and r.env is None:  # agent programs and environments score episodes themselves
-        from relax_rewards.preflight import check_reward_config
+        from relax_rewards.preflight import NUM_PROBES, check_reward_config
 
         _check_reward_imports(cfg.reward)  # first: its message names the user's file and line
+        probe_rows = None
+        if not d.train_path and d.synthetic:  # the run generates its dataset: probe with its first draws
+            from relax_core.synthetic import first_synthetic_rows
+
+            probe_rows = (f"data.synthetic={d.synthetic}", first_synthetic_rows(d, cfg.seed, NUM_PROBES))
         try:
-            check_reward_config(cfg.reward, d.label_key, d.train_path)
+            check_reward_config(cfg.reward, d.label_key, d.train_path, probe_rows=probe_rows)
         except ValueError as err:
             raise RelaxUserError(str(err)) from None
     if t.backend == "megatron":  # first: "this backend cannot train that family" beats "no weights"

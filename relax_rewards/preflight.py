@@ -5,9 +5,10 @@ message instead of scoring every sample 0.0 with a logged error.
 - every configured ``url`` accepts a TCP connection (a judge or reward service that is down or mistyped);
 - a reward that scores against a label has a label column: ``data.label_key`` is set and the dataset's
   first row has it;
-- a custom reward (``reward._target_``) imports, accepts ``(response, label, metadata)`` and scores at
-  least one probe: the dataset's first rows, each answered with its own label, scored by the configured
-  runner (so a probe that hangs or exits cannot take the launcher with it).
+- a custom reward (``reward._target_``) imports, accepts ``(response, label, metadata)``, scores at least
+  one probe and times out on none: the dataset's first rows (a synthetic task's first draws), each answered
+  with its own label, scored by the configured runner (so a probe that hangs or exits cannot take the
+  launcher with it). A probe that outlasts ``reward.timeout_s`` would cost that on every sample of the run.
 """
 
 from __future__ import annotations
@@ -82,8 +83,16 @@ def _field(row: dict[str, Any], key: str) -> Any:
     return row
 
 
-def check_custom_reward(cfg: RewardConfig, label_key: str | None, train_path: str | None) -> None:
-    """ValueError naming the reward and the cause when ``reward._target_`` cannot score at all."""
+ProbeRows = tuple[str, list[dict[str, Any]]]
+
+
+def check_custom_reward(
+    cfg: RewardConfig, label_key: str | None, train_path: str | None, probe_rows: ProbeRows | None = None
+) -> None:
+    """ValueError naming the reward and the cause when ``reward._target_`` cannot score at all, or times out.
+
+    ``probe_rows`` (where they come from, the rows) replace the first rows of ``train_path``.
+    """
     from relax_rewards.executor import RewardExecutor, RewardItem
     from relax_rewards.plugins import is_group_reward, load_custom
 
@@ -103,7 +112,7 @@ def check_custom_reward(cfg: RewardConfig, label_key: str | None, train_path: st
         ) from None
     except ValueError:  # no signature to inspect (a builtin); the probes below still call it
         pass
-    rows = first_rows(train_path, NUM_PROBES) if train_path else []
+    source, rows = probe_rows or (train_path, first_rows(train_path, NUM_PROBES) if train_path else [])
     if not rows:
         return  # nothing to probe with; the run counts its reward errors
     labels = [_field(r, label_key) if label_key else None for r in rows]
@@ -114,19 +123,29 @@ def check_custom_reward(cfg: RewardConfig, label_key: str | None, train_path: st
     probe_cfg = dataclasses.replace(cfg, num_workers=min(cfg.num_workers, 1))
     with RewardExecutor(probe_cfg) as ex:
         outcomes = ex.score(items)
+    probes = f"(the first rows of {source}, each answered with its own label)"
+    timeouts = sum(o.error == "timeout" for o in outcomes)
+    if timeouts:
+        raise ValueError(
+            f"reward._target_={target!r} timed out (reward.timeout_s={cfg.timeout_s:g}) on {timeouts} of "
+            f"{len(items)} probes {probes}: raise reward.timeout_s if it is only slow"
+        )
     if all(o.error is not None for o in outcomes):
         why = outcomes[0].error.removeprefix("exception: ")
-        what = "timed out" if why == "timeout" else f"failed ({why})"
         raise ValueError(
-            f"reward._target_={target!r} cannot score: it {what} on all {len(items)} probes "
-            f"(the first rows of {train_path}, each answered with its own label)"
+            f"reward._target_={target!r} cannot score: it failed ({why}) on all {len(items)} probes {probes}"
         )
 
 
 def check_reward_config(
-    cfg: RewardConfig, label_key: str | None, train_path: str | None = None, probe_timeout_s: float = 3.0
+    cfg: RewardConfig,
+    label_key: str | None,
+    train_path: str | None = None,
+    probe_timeout_s: float = 3.0,
+    probe_rows: ProbeRows | None = None,
 ) -> None:
-    """ValueError naming the key to fix when the configured reward cannot score (see the module doc)."""
+    """ValueError naming the key to fix when the configured reward cannot score (see the module doc);
+    ``probe_rows`` as in :func:`check_custom_reward`."""
     name = cfg._target_ or cfg.name
     entry = _REGISTRY.get(name)
     kwargs: dict[str, Any] = dict(cfg.kwargs)
@@ -141,7 +160,7 @@ def check_reward_config(
         raise ValueError(f"reward={name} needs {wanted} (e.g. {hint}reward.kwargs.url=http://host:port)")
     if kwargs.get("url"):
         check_reachable(str(kwargs["url"]), "reward.kwargs.url", probe_timeout_s)
-    check_custom_reward(cfg, label_key, train_path)
+    check_custom_reward(cfg, label_key, train_path, probe_rows)
     if entry is not None and entry.check is not None:
         entry.check(kwargs)
     if entry is None or not entry.needs_label:

@@ -11,16 +11,20 @@ from relax_core.algorithms.registry import ADVANTAGE_ESTIMATORS
 def group_stats(
     values: torch.Tensor, group_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample mean, unbiased std and size of the sample's group (groups by id, not position).
+    """Per-sample mean, unbiased std and size of the sample's group (groups by id, not position), float64.
 
-    A group of one has std 0.
+    A group of one has std 0. A group whose values are all equal has exactly their value as its mean (and
+    std 0): a summed mean can be an ulp off, and (r − mean)/(std + eps) would blow that ulp up.
     """
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    counts_f = counts.to(values.dtype)
-    sums = torch.zeros_like(counts_f).index_add_(0, inverse, values)
-    means = sums / counts_f
-    sq = torch.zeros_like(counts_f).index_add_(0, inverse, (values - means[inverse]) ** 2)
-    std = torch.where(counts > 1, (sq / (counts_f - 1).clamp_min(1.0)).sqrt(), torch.zeros_like(sq))
+    v = values.to(torch.float64)
+    empty = torch.zeros(len(counts), dtype=torch.float64, device=v.device)
+    lo = empty.scatter_reduce(0, inverse, v, "amin", include_self=False)
+    hi = empty.scatter_reduce(0, inverse, v, "amax", include_self=False)
+    counts_f = counts.to(torch.float64)
+    means = torch.where(lo == hi, lo, empty.index_add(0, inverse, v) / counts_f)
+    sq = empty.index_add(0, inverse, (v - means[inverse]) ** 2)
+    std = torch.where(counts > 1, (sq / (counts_f - 1).clamp_min(1.0)).sqrt(), empty)
     return means[inverse], std[inverse], counts[inverse]
 
 
@@ -36,13 +40,13 @@ def grpo_advantages(
 
     A_i = (r_i − mean_g(r)) / (std_g(r) + eps)   with the unbiased std of sample i's group g;
     A_i = r_i − mean_g(r)                        when ``norm_by_std`` is false (Dr. GRPO).
-    All-equal rewards in a group give A = 0 for its samples.
+    All-equal rewards in a group give A = 0 for its samples, in any dtype (statistics in float64).
     """
     mean, std, _ = group_stats(rewards, group_ids)
     adv = rewards - mean
     if norm_by_std:
         adv = adv / (std + eps)
-    return adv.unsqueeze(-1) * loss_mask
+    return adv.to(rewards.dtype).unsqueeze(-1) * loss_mask
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
@@ -50,12 +54,12 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, loss_mask: t
     """REINFORCE leave-one-out: the baseline of sample i is the mean reward of the *other* samples.
 
     A_i = r_i − (Σ_{j∈g} r_j − r_i)/(n_g − 1) = n_g/(n_g − 1) · (r_i − mean_g(r));
-    a group of one has no other sample and gets A = 0.
+    a group of one has no other sample and gets A = 0, and so does a group of all-equal rewards.
     """
     mean, _, counts = group_stats(rewards, group_ids)
-    n = counts.to(rewards.dtype)
-    adv = torch.where(counts > 1, n / (n - 1).clamp_min(1.0) * (rewards - mean), torch.zeros_like(rewards))
-    return adv.unsqueeze(-1) * loss_mask
+    n = counts.to(mean.dtype)
+    adv = torch.where(counts > 1, n / (n - 1).clamp_min(1.0) * (rewards - mean), torch.zeros_like(mean))
+    return adv.to(rewards.dtype).unsqueeze(-1) * loss_mask
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce")
@@ -125,10 +129,12 @@ def reinforce_pp_baseline_advantages(
 ) -> torch.Tensor:
     """REINFORCE++ with a group baseline: r_i ← r_i − mean_g(r) first, then :func:`reinforce_pp_advantages`.
 
-    Subtracting the group mean removes the prompt's difficulty from the return before batch whitening.
+    Subtracting the group mean removes the prompt's difficulty from the return before batch whitening; an
+    all-equal group is centred to exactly 0.
     """
     mean, _, _ = group_stats(rewards, group_ids)
-    return reinforce_pp_advantages(rewards - mean, group_ids, loss_mask, kl, kl_reward_coef, gamma)
+    centred = (rewards - mean).to(rewards.dtype)
+    return reinforce_pp_advantages(centred, group_ids, loss_mask, kl, kl_reward_coef, gamma)
 
 
 def gae(

@@ -32,7 +32,11 @@ def seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor, scale: float | No
 def seq_mean_token_sum_norm(
     loss: torch.Tensor, mask: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
-    """Σ_{i,t} m·ℓ / (B · C) with a constant C (Dr. GRPO); C defaults to the padded response length."""
+    """Σ_{i,t} m·ℓ / (B · C) with a constant C (Dr. GRPO).
+
+    Without ``scale``, C is the padded width of ``loss``, which varies with the micro-batch: the Actor always
+    passes one (``algorithm.loss_scale``, else ``rollout.max_new_tokens``).
+    """
     constant = float(scale) if scale is not None else float(loss.shape[-1])
     if constant <= 0:
         raise ValueError(f"seq-mean-token-sum-norm needs a positive scale, got {constant}")

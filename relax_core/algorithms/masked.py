@@ -19,7 +19,14 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x − mean) / sqrt(var + eps) over masked entries (batch whitening)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    return (x - mean) * torch.rsqrt(var + eps)
+    """(x − mean) / sqrt(var + eps) over masked entries (batch whitening), computed in float64, in x's dtype.
+
+    All-equal masked entries whiten to exactly 0: their summed mean can be an ulp off, which the rsqrt(eps)
+    of a zero variance would scale up to ~1e-3.
+    """
+    x64, m = x.to(torch.float64), mask.to(torch.float64)
+    lo = torch.where(mask > 0, x64, torch.inf).min()
+    hi = torch.where(mask > 0, x64, -torch.inf).max()
+    mean = torch.where(lo == hi, lo, masked_mean(x64, m))
+    var = masked_mean((x64 - mean) ** 2, m)
+    return ((x64 - mean) * torch.rsqrt(var + eps)).to(x.dtype)

@@ -83,11 +83,8 @@ class EstimatorSpec:
 
 ESTIMATOR_SPECS: Registry[EstimatorSpec] = Registry("advantage estimator spec")
 for _spec in (
-    EstimatorSpec(
-        "grpo",
-        group_local=True,
-        group_need=GroupNeed(2, "a group to normalise over", lambda a: a.norm_adv_by_std),
-    ),
+    # with or without the std division (Dr. GRPO): a group of one is its own mean, so A = 0
+    EstimatorSpec("grpo", group_local=True, group_need=GroupNeed(2, "a group to normalise over")),
     EstimatorSpec("rloo", group_local=True, group_need=GroupNeed(2, "a leave-one-out baseline")),
     EstimatorSpec("reinforce", group_local=True),
     EstimatorSpec("reinforce_pp", group_local=False, reward_kl=True),  # whitened over the batch

@@ -31,10 +31,14 @@ if TYPE_CHECKING:
 
 def effective_algorithm(cfg: RelaxConfig) -> AlgorithmConfig:
     """The algorithm config the loss uses: ``algorithm.tis_cap``, else the mode's off-policy cap when
-    samples can be stale (``mode.max_staleness > 0``); strictly on-policy runs keep no correction."""
+    samples can be stale (``mode.max_staleness > 0``); strictly on-policy runs keep no correction.
+    ``algorithm.loss_scale`` unset is the generation budget ``rollout.max_new_tokens``: a constant, where
+    the aggregation's own default (the micro-batch's width) would make the loss depend on the split."""
     a, m = cfg.algorithm, cfg.mode
     if a.tis_cap is None and m.max_staleness > 0 and m.off_policy_tis_cap is not None:
-        return dataclasses.replace(a, tis_cap=m.off_policy_tis_cap)
+        a = dataclasses.replace(a, tis_cap=m.off_policy_tis_cap)
+    if a.loss_scale is None:
+        a = dataclasses.replace(a, loss_scale=float(cfg.rollout.max_new_tokens))
     return a
 
 

@@ -12,7 +12,7 @@ from relax_core.databus.stages import BusProducer
 from relax_core.engines import build_engine
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.engines.resumable import ResumableEngine
-from relax_core.health import mark_reward_error, reward_problem
+from relax_core.health import apply_reward, mark_reward_error, reward_problem
 from relax_core.multimodal import MediaPrompts
 from relax_core.roles import use_threads
 from relax_core.samples import PromptRecord, Sample, SampleStatus
@@ -146,12 +146,7 @@ class Rollout(WeightReceiver, BusProducer):
         """Fill ``reward``/``reward_extras``; a reward that fails scores 0 and is counted."""
         items = [RewardItem(s.uid, s.response_text, s.label, s.metadata, s.group_id) for s in samples]
         for sample, outcome in zip(samples, self.rewards.score(items), strict=True):
-            sample.reward = outcome.reward
-            sample.reward_extras = dict(outcome.extras)
-            sample.reward_extras["reward_error"] = 0.0
-            error = outcome.error or reward_problem(outcome.reward, self.cfg.reward.max_abs)
-            if error is not None:
-                mark_reward_error(sample, error)
+            apply_reward(sample, outcome, self.cfg.reward.max_abs)
 
     @property
     def resumed(self) -> int:

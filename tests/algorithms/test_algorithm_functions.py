@@ -15,7 +15,7 @@ from relax_core.algorithms.advantages import (
     gae,
     last_token_rewards,
 )
-from relax_core.algorithms.objective import policy_objective, truncated_is_weights
+from relax_core.algorithms.objective import micro_batch_weight, policy_objective, truncated_is_weights
 from relax_core.algorithms.shaping import groups_with_spread, overlong_penalty
 from relax_core.algorithms.value import clipped_value_loss
 from relax_core.config import AlgorithmConfig
@@ -63,6 +63,63 @@ def test_rloo_leave_one_out():
 def test_rloo_all_equal_rewards_zero():
     adv = ADVANTAGE_ESTIMATORS.get("rloo")(torch.ones(3), torch.zeros(3, dtype=torch.long), torch.ones(3, 2))
     assert torch.equal(adv, torch.zeros(3, 2))
+
+
+# every value of the digits reward's partial credit hits/L (responses up to 8 characters)
+PARTIAL_CREDITS = sorted({k / n for n in range(1, 9) for k in range(n + 1)})
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+GROUP_BASELINES = [
+    ("grpo", {}),
+    ("grpo", {"norm_by_std": False}),  # Dr. GRPO
+    ("rloo", {}),
+    ("reinforce_pp_baseline", {}),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [8, 16, 64])
+@pytest.mark.parametrize(("name", "kwargs"), GROUP_BASELINES)
+def test_all_equal_groups_get_exactly_zero_advantage(name, kwargs, n, dtype):
+    """A group whose n rewards are equal has r − mean_g(r) = 0 and std_g = 0, so A = 0 exactly (float32
+    statistics were an ulp off, which the std division blew up to |A| ≈ 0.06 at n = 8, up to 120 in float16)."""
+    rewards = torch.tensor(PARTIAL_CREDITS, dtype=dtype).repeat_interleave(n)
+    groups = torch.arange(len(PARTIAL_CREDITS)).repeat_interleave(n)
+    mask = torch.ones(len(rewards), 3, dtype=dtype)
+    adv = ADVANTAGE_ESTIMATORS.get(name)(rewards, groups, mask, **kwargs)
+    assert adv.dtype == dtype
+    assert torch.equal(adv, torch.zeros_like(adv))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_group_baselines_next_to_an_all_equal_group(dtype):
+    """Group 0: 1, 0, 0, 1 (mean 1/2, unbiased std sqrt(1/3)); group 1: 0.3 eight times."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0] + [0.3] * 8, dtype=dtype)
+    groups = torch.tensor([0] * 4 + [1] * 8)
+    mask = torch.ones(12, 1, dtype=dtype)
+    sign = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+    zeros = torch.zeros(8, dtype=torch.float64)
+    expected = {
+        ("grpo", True): 0.5 / (math.sqrt(1 / 3) + 1e-6),
+        ("grpo", False): 0.5,
+        ("rloo", True): 4 / 3 * 0.5,  # 1 − (0 + 0 + 1)/3 = 2/3
+    }
+    for (name, norm), a in expected.items():
+        kwargs = {"norm_by_std": norm} if name == "grpo" else {}
+        adv = ADVANTAGE_ESTIMATORS.get(name)(rewards, groups, mask, **kwargs)[:, 0]
+        assert adv.dtype == dtype
+        assert torch.equal(adv, torch.cat([a * sign, zeros]).to(dtype)), (name, norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_whitening_of_equal_returns_is_exactly_zero(dtype):
+    """reinforce_pp (γ = 1: G_t = r on every token) and gae (V = 0, γ = λ = 1: A_t = r) whiten a batch whose
+    rewards are all 0.7 to (G − mean)/sqrt(0 + 1e-8) = 0; an ulp off the mean gave 6e-4 (inf in float16)."""
+    rewards = torch.full((64,), 0.7, dtype=dtype)
+    groups, mask = torch.arange(64), torch.ones(64, 3, dtype=dtype)
+    for name, kwargs in [("reinforce_pp", {}), ("gae", {"values": torch.zeros(64, 3, dtype=dtype)})]:
+        adv = ADVANTAGE_ESTIMATORS.get(name)(rewards, groups, mask, **kwargs)
+        assert adv.dtype == dtype
+        assert torch.equal(adv, torch.zeros_like(adv)), name
 
 
 def test_last_token_rewards_and_discounted_returns():
@@ -263,6 +320,35 @@ def test_aggregations_hand_computed():
     assert float(LOSS_AGGREGATIONS.get("seq-mean-token-sum-norm")(loss, mask, 5.0)) == pytest.approx(10 / 10)
     with pytest.raises(ValueError, match="positive scale"):
         LOSS_AGGREGATIONS.get("seq-mean-token-sum-norm")(loss, mask, 0.0)
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 4])
+def test_dr_grpo_loss_does_not_depend_on_the_micro_batch_split(micro_batch_size):
+    """Dr. GRPO without algorithm.loss_scale divides by C = rollout.max_new_tokens = 10, whatever width each
+    micro-batch is trimmed to. On-policy (ratio 1) the token loss is −A: rows of 3, 1, 2 and 1 tokens with
+    A = 1, −1, 0.5, 2 give Σ m·A = 3 − 1 + 1 + 2 = 5, so loss = −5 / (B·C) = −5/40 and ∂loss/∂log π = −A/40."""
+    from relax_core.roles.actor import effective_algorithm
+    from tests.core.conftest import typed_config
+
+    algo = effective_algorithm(
+        typed_config("algorithm=dr_grpo", "algorithm.loss_scale=null", "rollout.max_new_tokens=10")
+    )
+    lens, adv = [3, 1, 2, 1], [1.0, -1.0, 0.5, 2.0]
+    samples = [Sample(i, 0, [5], [7] * n, [-1.0] * n, [1] * n) for i, n in enumerate(lens)]
+    batch = TrainBatch.from_samples(samples, pad_token_id=0)
+    batch.extras["advantages"] = torch.tensor(adv).unsqueeze(-1) * batch.loss_mask
+    logprobs = torch.full(batch.loss_mask.shape, -1.0, requires_grad=True)
+    total, rows = 0.0, list(range(len(lens)))
+    for start in range(0, len(lens), micro_batch_size):
+        part = rows[start : start + micro_batch_size]
+        micro = batch.select(part)  # trimmed to its own longest response
+        lp = logprobs[part, : micro.loss_mask.shape[1]]
+        weight = micro_batch_weight(micro, float(batch.loss_mask.sum()), len(batch), algo)
+        loss, _ = policy_objective(micro, lp, torch.zeros_like(lp), algo, weight)
+        total = total + loss
+    total.backward()
+    assert float(total.detach()) == pytest.approx(-5 / 40)
+    assert torch.allclose(logprobs.grad, -batch.extras["advantages"] / 40)
 
 
 def test_truncated_is_weights():

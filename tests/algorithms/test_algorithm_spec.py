@@ -69,7 +69,7 @@ REINFORCE_PP = needs(
 )
 DEFAULTS = {
     "grpo": needs(),  # std-normalised groups: n >= 2
-    "dr_grpo": needs(min_group_size=1),  # no std division: a group of one has A = 0
+    "dr_grpo": needs(),  # no std division, still a group mean: a group of one has A = 0
     "dapo": needs(),
     "gspo": needs(),
     "sapo": needs(),
@@ -138,7 +138,7 @@ def test_default_requirements(name):
         # composed from parts: the configured estimator decides, not the algorithm's name
         (["algorithm.advantage_estimator=rloo"], needs()),
         (["algorithm.advantage_estimator=rloo", "algorithm.norm_adv_by_std=false"], needs()),
-        (["algorithm.norm_adv_by_std=false"], needs(min_group_size=1)),
+        (["algorithm.norm_adv_by_std=false"], needs()),
         (["algorithm.advantage_estimator=reinforce_pp"], needs(group_local=False, min_group_size=1)),
         (["algorithm=dr_grpo", "algorithm.dynamic_sampling=true"], needs()),  # spread needs two samples
     ],
@@ -197,7 +197,11 @@ def test_old_logprobs_follow_the_size_of_the_batch_actually_trained():
             "algorithm gspo (grpo) needs rollout.n_samples_per_prompt >= 2 (a group to normalise over), got 1",
         ),
         (
-            ["algorithm=dr_grpo", "algorithm.dynamic_sampling=true", "rollout.n_samples_per_prompt=1"],
+            ["algorithm=dr_grpo", "rollout.n_samples_per_prompt=1"],
+            "algorithm dr_grpo (grpo) needs rollout.n_samples_per_prompt >= 2 (a group to normalise over), got 1",
+        ),
+        (
+            ["algorithm=reinforce", "algorithm.dynamic_sampling=true", "rollout.n_samples_per_prompt=1"],
             "algorithm.dynamic_sampling needs rollout.n_samples_per_prompt >= 2 (reward spread), got 1",
         ),
         (["algorithm=opd", "algorithm.teacher=null"], "algorithm opd needs algorithm.teacher"),
@@ -218,7 +222,7 @@ def test_spec_rules_fail_with_one_line_naming_the_key(overrides, message):
 
 
 def test_a_group_of_one_is_fine_where_no_rule_needs_a_group():
-    for name in ("dr_grpo", "reinforce", "reinforce_pp", "ppo"):
+    for name in ("reinforce", "reinforce_pp", "ppo"):
         validate(typed_config(f"algorithm={name}", "rollout.n_samples_per_prompt=1"))
 
 

@@ -146,8 +146,46 @@ def test_a_run_with_a_huge_reward_stops_naming_it(make_cfg, tiny_model_dir, tmp_
         "trainer.eval_every=0",
         "trainer.export_final_model=true",
         "rollout.max_new_tokens=4",
+        # no evaluation before RL: it would stop the run first (the test below)
+        "eval.sets.heldout.greedy=false",
+        "eval.sets.heldout.n_samples=0",
         huge_reward(tmp_path),
     )
     with pytest.raises(RunFailedError, match=r"steps 1-3: 100% of the samples were reward errors.*max_abs"):
         RunLoop(cfg, {}).run()
     assert not (tmp_path / "final_model").exists()
+
+
+@pytest.mark.parametrize("reward", ["huge", "slow"])
+def test_an_evaluation_of_nothing_but_reward_errors_stops_the_run_before_rl(
+    make_cfg, tiny_model_dir, tmp_path, reward
+):
+    """Every greedy eval sample a reward error (the run's reward out of range, or the eval set's own reward
+    timing out): one line naming the reward and its first error, before the sampled pass and step 1."""
+    if reward == "huge":
+        scoring = huge_reward(tmp_path)
+        cause = r"reward '.*huge_reward\.py:huge'; the first, sample \d+:\d+: reward 1e\+300 is outside .*"
+    else:
+        (tmp_path / "slow.py").write_text(
+            "import time\ndef slow(response, label, metadata=None):\n    time.sleep(2)\n    return 1.0\n"
+        )
+        scoring = f"+eval.sets.heldout.reward={{_target_:'{tmp_path / 'slow.py'}:slow',timeout_s:0.2,num_workers:0}}"
+        cause = (
+            r"reward '.*slow\.py:slow'; the first, sample \d+:\d+: timed out "
+            r"\(eval\.sets\.heldout\.reward\.timeout_s=0\.2: raise it if the reward is only slow\)"
+        )
+    cfg = make_cfg(
+        "cluster=in_process",
+        "logger=jsonl",
+        f"model.path={tiny_model_dir}",
+        "trainer.total_steps=2",
+        "trainer.sft_warmup_steps=0",
+        "rollout.max_new_tokens=4",
+        scoring,
+    )
+    with pytest.raises(RunFailedError) as err:
+        RunLoop(cfg, {}).run()
+    assert re.fullmatch(
+        rf"eval set heldout before RL: all 8 samples are reward errors of {cause}", str(err.value)
+    )
+    assert raised_in_driver(err.value)
