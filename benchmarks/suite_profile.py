@@ -1,12 +1,14 @@
 """Where the test suite's time goes: wall time and host CPU use per test file.
 
 Runs pytest in this process with a recorder plugin and prints JSON lines, the slowest files first, then a
+total per tier (``quick``: what ``tests/run.sh --quick`` runs; ``heavy``: the rest, tests/tiers.py), then the
 total. ``cpu_busy_share`` is the host's busy CPU time (every process: Ray workers, launched runs) over
 wall time times the host's cores, read from /proc/stat around each test; a file far below 1 leaves cores
 idle (waiting on timeouts, process start, one-thread runs) and is the place to run work side by side.
 
     python benchmarks/suite_profile.py                    # the whole suite (as tests/run.sh, no Slurm set-up)
-    python benchmarks/suite_profile.py tests/e2e -k in_process
+    python benchmarks/suite_profile.py --quick            # the quick tier
+    python benchmarks/suite_profile.py tests/core -x      # any other pytest arguments
     python benchmarks/suite_profile.py --summarize tests.jsonl   # a recorded run again
 
 Linux only. Run it alone: other load on the host counts as busy.
@@ -38,6 +40,13 @@ class Recorder:
     def __init__(self, out: Path) -> None:
         self.out = out.open("w", buffering=1)
         self.started = (0.0, (0.0, 0.0))
+        self.tiers: dict[str, str] = {}
+
+    def pytest_collection_finish(self, session) -> None:
+        # the items as tests/conftest.py left them: its heavy ones marked
+        self.tiers = {
+            item.nodeid: "heavy" if item.get_closest_marker("heavy") else "quick" for item in session.items
+        }
 
     def pytest_runtest_logstart(self, nodeid: str, location: tuple) -> None:
         self.started = (time.monotonic(), host_cpu_seconds())
@@ -50,6 +59,7 @@ class Recorder:
             "wall_s": wall,
             "busy_cpu_s": busy - self.started[1][0],
             "host_cpu_s": total - self.started[1][1],
+            "tier": self.tiers[nodeid],
         }
         self.out.write(json.dumps(record) + "\n")
 
@@ -74,6 +84,13 @@ def summarize(records: list[dict]) -> list[dict]:
                 "cpu_busy_share": round(share, 2),
             }
         )
+    tiers: dict[str, dict] = defaultdict(lambda: {"tests": 0, "wall_s": 0.0})
+    for record in records:
+        row = tiers[record.get("tier", "unrecorded")]  # records of before the tiers have none
+        row["tests"] += 1
+        row["wall_s"] += record["wall_s"]
+    for tier, row in sorted(tiers.items()):
+        lines.append({"tier": tier, "tests": row["tests"], "wall_s": round(row["wall_s"], 1)})
     busy = sum(r["busy_cpu_s"] for r in records)
     host = sum(r["host_cpu_s"] for r in records)
     wall = sum(r["wall_s"] for r in records)
@@ -91,8 +108,9 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def main() -> int:
+    # no abbreviations: every argument it does not know is pytest's, whole
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument("--summarize", type=Path, help="print the summary of a recorded tests.jsonl")
     parser.add_argument(

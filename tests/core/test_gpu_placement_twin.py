@@ -12,6 +12,7 @@ import pytest
 import ray
 from ray import cloudpickle
 from ray.util.placement_group import remove_placement_group
+from tiers import heavy
 
 from relax_core.config import WeightTransferConfig
 from relax_core.errors import RelaxUserError
@@ -115,6 +116,7 @@ def test_gpus_that_hold_the_run_pass(make_cfg, overrides) -> None:
 
 
 @pytest.fixture(scope="module")
+@heavy("starts a local Ray")
 def fake_gpus():
     ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, log_to_driver=False)
     pgs = []

@@ -14,6 +14,7 @@ import pytest
 import ray
 from ray import cloudpickle
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from tiers import heavy
 
 from relax_core.ray_groups import RoleGroup, SharedProcesses
 
@@ -39,6 +40,7 @@ class Counter:
 
 
 @pytest.fixture(scope="module")
+@heavy("starts a local Ray")
 def ray_cluster():
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

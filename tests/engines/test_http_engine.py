@@ -17,6 +17,7 @@ import pytest
 import torch
 from engine_helpers import make_engine
 from selection import selected
+from tiers import heavy
 
 from relax_core.config import ModelConfig
 from relax_core.engines import build_engine
@@ -202,6 +203,7 @@ def server_command(model_dir, *args: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
+@heavy("launches the engine server")
 def refused_starts(tiny_model_dir) -> dict[str, subprocess.CompletedProcess]:
     """The standalone server refusing two setups; both started at once, as each is mostly Python start-up
     (torch, the app) on one core."""
@@ -296,6 +298,7 @@ STANDALONE = {"eager": [], "native": ["--native-kernels", "--dtype", "bfloat16"]
 
 
 @pytest.fixture(scope="module")
+@heavy("launches the engine server")
 def standalone_servers(request, tiny_model_dir) -> Iterator[dict[str, tuple[int, subprocess.Popen]]]:
     """The selected ``STANDALONE`` servers (port, process), all started at once: each start is mostly
     Python start-up on one core."""

@@ -26,6 +26,7 @@ from engine_helpers import make_engine
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from selection import selected
+from tiers import heavy
 
 from relax_core.agentic.server import AgentServer, TrajectoryStore, build_app
 from relax_core.control_plane import create_app as control_plane_app
@@ -170,6 +171,7 @@ FUZZED_RUN_TEST = "test_a_training_run_keeps_training_while_its_endpoints_are_fu
 
 
 @pytest.fixture(scope="module")
+@heavy("launches `python -m relax_launch`")
 def training_run(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path]]:
     """A real run (agent program, control plane on), long, stopped by its test: (process, run dir)."""
     root = Path(__file__).resolve().parents[2]

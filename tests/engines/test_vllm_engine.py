@@ -27,6 +27,7 @@ from engine_helpers import check_ignore_eos
 from engine_helpers import reqs as requests
 from safetensors import safe_open
 from selection import selected
+from tiers import heavy
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
 from relax_core.config import ModelConfig, RolloutConfig
@@ -54,6 +55,7 @@ needs_vllm = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
+@heavy("starts a vLLM server")
 def engine(request: pytest.FixtureRequest, tiny_model_dir: Path):
     # start the MoE test's server now, in the background, when it will run: each start is mostly one
     # process's Python start-up at a time, so the two overlap on a CPU machine (on a GPU both would ask for
@@ -221,6 +223,7 @@ MOE_TEST = "test_moe_weights_reach_both_tensor_parallel_ranks"
 
 
 @pytest.fixture(scope="module")
+@heavy("starts a vLLM server")
 def moe_engine(moe_dir: Path) -> Iterator[Future]:
     """The MoE test's engine (tensor-parallel 2) being started in a thread: the test takes its result."""
     rollout = RolloutConfig(

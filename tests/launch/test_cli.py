@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiers import heavy
 
 import relax_launch.cli
 from relax_core.errors import RelaxUserError
@@ -101,6 +102,7 @@ def cli_started(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 
 
 @pytest.fixture(scope="module")
+@heavy("launches `python -m relax_launch` (started by cli_started)")
 def cli(cli_started) -> dict[str, subprocess.CompletedProcess]:
     tmp, started = cli_started
     results = {}

@@ -55,7 +55,7 @@ def test_slurm_allocation_outside_a_job_fails_before_running(monkeypatch: pytest
         SlurmAllocationLauncher(SlurmAllocationConfig()).launch(cfg, experiment)
 
 
-def test_local_launcher_runs_the_given_experiment_on_its_own_ray() -> None:
+def test_local_launcher_runs_the_given_experiment_on_its_own_ray(ray_started_in_test) -> None:
     seen = {}
 
     def experiment(cfg, connect):
@@ -65,9 +65,6 @@ def test_local_launcher_runs_the_given_experiment_on_its_own_ray() -> None:
         seen["env"] = ray.get(ray.remote(lambda: os.environ.get("RELAX_LAUNCH_TEST")).remote())
         return {"status": "finished", "cfg": cfg}
 
-    try:
-        summary = LocalLauncher(LocalClusterConfig(num_cpus=1)).launch("the config", experiment)
-    finally:
-        ray.shutdown()
+    summary = LocalLauncher(LocalClusterConfig(num_cpus=1)).launch("the config", experiment)
     assert summary == {"status": "finished", "cfg": "the config"}
     assert seen == {"before": False, "cpus": 1.0, "env": "1"}

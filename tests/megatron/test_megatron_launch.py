@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -126,9 +125,11 @@ def test_validation_accepts_tensor_parallel_and_returns_the_world() -> None:
         ),
     ],
 )
-def test_cli_reports_one_line_before_ray_starts(tmp_path: Path, overrides: list[str], message: str) -> None:
+def test_cli_reports_one_line_before_ray_starts(
+    tmp_path: Path, overrides: list[str], message: str, relax_launch_cmd: list[str]
+) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "relax_launch", *overrides, f"hydra.run.dir={tmp_path}"],
+        [*relax_launch_cmd, *overrides, f"hydra.run.dir={tmp_path}"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -13,6 +13,7 @@ import ray
 import soundfile
 import torch
 from PIL import Image
+from tiers import heavy
 
 from relax_core.config import DataConfig, ModalityConfig
 from relax_core.data import PromptStream, load_prompts
@@ -123,6 +124,7 @@ def test_modality_keys_are_checked() -> None:
 
 
 @pytest.fixture
+@heavy("starts a local Ray")
 def ray_local():
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,9 +29,11 @@ def _compose(overrides: list[str]) -> RelaxConfig:
     return OmegaConf.to_object(cfg)
 
 
-def _launch(args: list[str], cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+def _launch(
+    relax_launch: list[str], args: list[str], cwd: Path, timeout: int = 120
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "relax_launch", *args],
+        [*relax_launch, *args],
         cwd=cwd,
         env=ENV,
         capture_output=True,
@@ -78,8 +79,11 @@ def test_validation_checks_modality_against_family(model: str, modality: str, ok
             validate(cfg)
 
 
-def test_launcher_refuses_a_modality_the_family_cannot_take(tmp_path: Path) -> None:
-    result = _launch(["model=tiny_qwen3_vl", "modality=audio", f"hydra.run.dir={tmp_path}"], tmp_path)
+def test_launcher_refuses_a_modality_the_family_cannot_take(
+    tmp_path: Path, relax_launch_cmd: list[str]
+) -> None:
+    args = ["model=tiny_qwen3_vl", "modality=audio", f"hydra.run.dir={tmp_path}"]
+    result = _launch(relax_launch_cmd, args, tmp_path)
     assert result.returncode == 2
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert lines == [
@@ -156,17 +160,20 @@ def test_recipes_compose_fill_their_gpus_and_require_model_path(recipe: str) -> 
             assert _compose([f"experiment={recipe}", f"cluster={cluster}"]).cluster.name == cluster
 
 
-def test_recipe_prints_with_cfg_job(tmp_path: Path) -> None:
-    result = _launch(["experiment=avqa_qwen3_omni_30b", "--cfg", "job"], tmp_path)
+def test_recipe_prints_with_cfg_job(tmp_path: Path, relax_launch_cmd: list[str]) -> None:
+    result = _launch(relax_launch_cmd, ["experiment=avqa_qwen3_omni_30b", "--cfg", "job"], tmp_path)
     assert result.returncode == 0, result.stderr
     printed = OmegaConf.create(result.stdout)
     assert printed.model.name == "qwen3_omni_30b_a3b" and printed.cluster.nodes == 2
     assert dict(printed.modality["keys"]) == {"image": None, "video": "videos", "audio": "audios"}
 
 
-def _run_experiment(experiment: str, tmp_path: Path) -> dict:
+def _run_experiment(relax_launch: list[str], experiment: str, tmp_path: Path) -> dict:
     result = _launch(
-        [f"experiment={experiment}", f"hydra.run.dir={tmp_path}", "cluster.num_cpus=4"], tmp_path, 900
+        relax_launch,
+        [f"experiment={experiment}", f"hydra.run.dir={tmp_path}", "cluster.num_cpus=4"],
+        tmp_path,
+        900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -175,8 +182,8 @@ def _run_experiment(experiment: str, tmp_path: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_vision_experiment_learns_to_see_colours(tmp_path: Path) -> None:
-    summary = _run_experiment("vision_colors_tiny_vl", tmp_path)
+def test_vision_experiment_learns_to_see_colours(tmp_path: Path, relax_launch_cmd: list[str]) -> None:
+    summary = _run_experiment(relax_launch_cmd, "vision_colors_tiny_vl", tmp_path)
     assert summary["reward_gain"] > 0.2, summary
     # greedy accuracy is well above the 0.25 of a policy that ignores the image
     assert summary["eval_accuracy_final"] >= 0.6, summary
@@ -186,8 +193,8 @@ def test_vision_experiment_learns_to_see_colours(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_audio_experiment_learns_to_hear_tones(tmp_path: Path) -> None:
-    summary = _run_experiment("audio_tones_tiny_omni", tmp_path)
+def test_audio_experiment_learns_to_hear_tones(tmp_path: Path, relax_launch_cmd: list[str]) -> None:
+    summary = _run_experiment(relax_launch_cmd, "audio_tones_tiny_omni", tmp_path)
     assert summary["reward_gain"] > 0.2, summary
     assert summary["eval_accuracy_final"] >= 0.6, summary
     assert sorted(p.suffix for p in (tmp_path / "data" / "media").iterdir())[0] == ".wav"

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiers import heavy
 
 import relax_rewards
 from relax_core import handles
@@ -41,6 +42,7 @@ def score(url: str, **parser: str) -> list[tuple[float, dict[str, float]]]:
 
 
 @pytest.fixture
+@heavy("starts a local Ray")
 def ray_cluster():
     """A local Ray cluster of 2 logical CPUs, for the judge's placement group."""
     import ray
@@ -116,26 +118,32 @@ def wait_for(condition, what: str) -> None:
 VLLM_REASON = vllm_unavailable_reason()
 
 
-# CI installs vLLM (tests/run.sh): there a missing install is a failure, not a skip
-@pytest.mark.skipif(
-    VLLM_REASON is not None and not os.environ.get("RELAX_REQUIRE_VLLM"), reason=str(VLLM_REASON)
-)
-def test_vllm_judge_engine_scores_through_the_router(tmp_path: Path) -> None:
-    """``reward.judge.engine=vllm``: the judge engine is vLLM's server in vLLM's interpreter, taking the
-    judge's text prompt and answering text: garbage is a counted 0, a verdict scores. With
-    ``cluster=in_process`` the engine's role is an object in this process."""
+@pytest.fixture
+@heavy("starts a vLLM judge server")
+def vllm_judge(tmp_path: Path):
+    """``reward.judge.engine=vllm`` with ``cluster=in_process``, started: (config, judge)."""
     cfg = RelaxConfig(output_dir=str(tmp_path), cluster=InProcessClusterConfig())
     cfg.reward = RewardConfig(name="genrm", judge=JudgeConfig(model="tiny_qwen3", engine="vllm"))
     judge = start_judge(cfg)
     assert judge is not None
-    try:
-        assert "relax_core.engines.vllm_server" in judge.group.actors[0].role.launch.command
-        url = cfg.reward.kwargs["url"]
-        garbage = score(url)
-        assert all(r == 0.0 and ex == {"judge_parse_errors": 1.0, "judge_errors": 0.0} for r, ex in garbage)
-        assert [r for r, _ in score(url, verdict_pattern="^", correct_verdict="")] == [1.0] * 8
-    finally:
-        judge.stop()
+    yield cfg, judge
+    judge.stop()
+
+
+# CI installs vLLM (tests/run.sh): there a missing install is a failure, not a skip
+@pytest.mark.skipif(
+    VLLM_REASON is not None and not os.environ.get("RELAX_REQUIRE_VLLM"), reason=str(VLLM_REASON)
+)
+def test_vllm_judge_engine_scores_through_the_router(vllm_judge) -> None:
+    """``reward.judge.engine=vllm``: the judge engine is vLLM's server in vLLM's interpreter, taking the
+    judge's text prompt and answering text: garbage is a counted 0, a verdict scores. With
+    ``cluster=in_process`` the engine's role is an object in this process."""
+    cfg, judge = vllm_judge
+    assert "relax_core.engines.vllm_server" in judge.group.actors[0].role.launch.command
+    url = cfg.reward.kwargs["url"]
+    garbage = score(url)
+    assert all(r == 0.0 and ex == {"judge_parse_errors": 1.0, "judge_errors": 0.0} for r, ex in garbage)
+    assert [r for r, _ in score(url, verdict_pattern="^", correct_verdict="")] == [1.0] * 8
 
 
 def wait_until_serving_again(judge, restarts: int) -> None:

@@ -65,9 +65,9 @@ def test_validation_raises_one_user_error(tmp_path: Path) -> None:
         validate(cfg)
 
 
-def test_launch_stops_at_start_with_one_line(tmp_path: Path) -> None:
+def test_launch_stops_at_start_with_one_line(tmp_path: Path, relax_launch_cmd: list[str]) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "relax_launch", f"hydra.run.dir={tmp_path}", "logger=jsonl", "reward=genrm"],
+        [*relax_launch_cmd, f"hydra.run.dir={tmp_path}", "logger=jsonl", "reward=genrm"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
