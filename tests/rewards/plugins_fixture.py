@@ -48,8 +48,18 @@ def length_reward(
     return {"len": scale * len(response), "match": float(response == label), "note": "not a number"}
 
 
+_started: dict[str, int] = {}
+
+
 async def async_match_reward(response: str, label: Any, metadata: Metadata = None) -> float:
-    await asyncio.sleep(float((metadata or {}).get("delay", 0.2)))
+    """Matches after ``delay`` s; with ``meet`` it first waits until that many calls tagged with the same
+    ``batch`` have started, which only calls awaited together (not one after another) ever see."""
+    md = metadata or {}
+    if "meet" in md:
+        _started[md["batch"]] = _started.get(md["batch"], 0) + 1
+        while _started[md["batch"]] < md["meet"]:
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(float(md.get("delay", 0.2)))
     return 1.0 if response.strip() == str(label) else 0.0
 
 
