@@ -347,6 +347,13 @@ class EpisodeBoard:
             self._cv.notify_all()
 
 
+# RequestBatcher with a board: seconds with no episode taken and no call queued after which the calls queued
+# so far run without a session that has not made its first call (STALL_S), or without sessions between
+# turns and episodes nobody takes (SETTLE_S)
+SETTLE_S = 0.1
+STALL_S = 2.0
+
+
 @dataclass
 class _Call:
     request: GenerationRequest
@@ -361,30 +368,56 @@ class RequestBatcher:
 
     The engine sees one call at a time (it need not be re-entrant); the requests that arrive while a call
     runs form the next batch, so a busy endpoint batches without waiting on a timer.
+
+    With a ``board`` (a training run) a batch is a deterministic set instead: it waits until every episode
+    the board handed out and that is still open has its call queued, and none is left to take, then runs
+    in session-id order. Which requests share a decode batch changes the engine's numerics (CPU matmuls
+    are not batch-invariant) and which sampling draw each row gets, so batching by arrival would make a
+    run's samples depend on thread timing. It waits :data:`STALL_S` at most for a session that has not
+    made its first call, and :data:`SETTLE_S` for one between turns (it may be running a slow tool, have
+    hung, or be done without a reward yet) or for episodes nobody takes (a program that plays fewer
+    sessions at once than a round posts): those batches are not deterministic.
     """
 
-    def __init__(self, engine: Generates) -> None:
+    def __init__(self, engine: Generates, board: EpisodeBoard | None = None) -> None:
         self.engine = engine
+        self.board = board
         self._cv = threading.Condition()
         self._queue: list[_Call] = []
+        self._last_call = time.monotonic()
         threading.Thread(target=self._loop, daemon=True, name="relax-agent-batcher").start()
 
     def generate(self, request: GenerationRequest, sampling: SamplingParams) -> GenerationResult:
         call = _Call(request, sampling)
         with self._cv:
             self._queue.append(call)
+            self._last_call = time.monotonic()
             self._cv.notify()
         call.done.wait()
         if call.error is not None:
             raise call.error
         return call.result
 
+    def _batch_ready(self) -> bool:
+        board = self.board
+        if board is None:
+            return True
+        idle = time.monotonic() - max(self._last_call, board.last_taken)
+        queued = {c.request.request_id for c in self._queue}
+        # .get: a session may close while this reads (the store's lock is not held here)
+        open_ = [board.store.live.get(sid) for sid in list(board.leases) if sid not in queued]
+        unqueued = [traj for traj in open_ if traj is not None]
+        if any(traj.turns == 0 for traj in unqueued):  # just taken: its first call is on its way
+            return idle >= STALL_S
+        return not (unqueued or board.pending) or idle >= SETTLE_S
+
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                calls, self._queue = self._queue, []
+                while not (self._queue and self._batch_ready()):
+                    # the board's takes and closes do not notify this condition: poll while calls wait
+                    self._cv.wait(0.01 if self._queue else None)
+                calls, self._queue = sorted(self._queue, key=lambda c: c.request.request_id), []
             by_sampling: dict[str, list[_Call]] = {}
             for call in calls:
                 by_sampling.setdefault(repr(call.sampling), []).append(call)
@@ -455,7 +488,7 @@ def build_app(
 
     # NaN/Infinity in a body and deep nesting get a 4xx naming the cause, never a 500
     app = guard(FastAPI(title="Relax policy (OpenAI-compatible)"))
-    batcher = RequestBatcher(engine)
+    batcher = RequestBatcher(engine, board)
     eos_id = tokenizer.eos_token_id
 
     def session_sampling(req: ChatRequest, traj: Trajectory) -> SamplingParams:

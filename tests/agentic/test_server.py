@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from relax_core.agentic.formatting import render_messages
-from relax_core.agentic.server import AgentServer, EpisodeBoard, TrajectoryStore, build_app
-from relax_core.engines.base import SamplingParams
+from relax_core.agentic.server import (
+    AgentServer,
+    EpisodeBoard,
+    RequestBatcher,
+    Trajectory,
+    TrajectoryStore,
+    build_app,
+)
+from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.samples import TrainBatch
 
 
@@ -202,3 +209,35 @@ def test_a_model_call_is_served_while_many_sessions_wait_for_episodes(engine, to
         assert not any(w.done() for w in waiters)  # still waiting: the call did not wait for them
         board.close()
         assert [w.result().json() for w in waiters] == [{"done": True}] * 100
+
+
+class RecordingEngine:
+    """Answers every request with one token and records each engine call's request ids."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def generate(self, requests, sampling):
+        self.calls.append([r.request_id for r in requests])
+        return [GenerationResult([1], [0.0], "stop", r.request_id) for r in requests]
+
+
+def test_a_training_endpoint_batches_every_open_episode_in_session_order():
+    """Calls that arrive one by one run as one batch once every handed-out episode has called, in session-id
+    order (what makes a seed replay the same run); episodes nobody takes hold it back only SETTLE_S."""
+    store = TrajectoryStore(open_sessions_only=True)
+    board = EpisodeBoard(store, is_live_worker=lambda worker: True)
+    engine = RecordingEngine()
+    batcher = RequestBatcher(engine, board)
+    board.post([Trajectory(f"s{i}") for i in range(3)])
+    taken = [board.take(None).session_id for _ in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        for sid in reversed(taken):
+            pool.submit(batcher.generate, GenerationRequest([1], sid), SamplingParams())
+            time.sleep(0.3)  # longer than SETTLE_S: only the open sessions' calls complete the batch
+    assert engine.calls == [["s0", "s1", "s2"]]
+    board.post([Trajectory(f"t{i}") for i in range(4)])
+    taken = [board.take(None).session_id for _ in range(2)]  # a program that plays two at a time
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda sid: batcher.generate(GenerationRequest([1], sid), SamplingParams()), taken))
+    assert engine.calls[1:] == [["t0", "t1"]]
