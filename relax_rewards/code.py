@@ -426,6 +426,17 @@ class _Cgroup:
         except (OSError, ValueError):
             return 0.0
 
+    def hit_memory_limit(self) -> bool:
+        """Whether the kernel had to kill for, or refuse, memory past the limit (an OOM kill may take the
+        boot process itself: the program's tests then fail, the sandbox did its job)."""
+        try:
+            if self.v2:
+                events = (self.dirs["memory"] / "memory.events").read_text().split()
+                return int(events[events.index("oom_kill") + 1]) > 0
+            return int((self.dirs["memory"] / "memory.failcnt").read_text()) > 0
+        except (OSError, ValueError):
+            return False
+
     def remove(self) -> None:
         """Kill every process still in it, then remove it (retrying while the dead are being reaped)."""
         _remove_cgroup(list({*self.dirs.values()}))
@@ -589,7 +600,8 @@ def _run_stages(stages: list[_Stage], limits: SandboxLimits) -> tuple[list[Sandb
         if cpu_killed is None:
             return [], "sandbox process did not finish"
         lines = [json.loads(ln) for ln in boot_out.decode(errors="replace").splitlines() if ln.strip()]
-        if not lines and not cpu_killed:
+        oom_killed = not lines and cgroup is not None and cgroup.hit_memory_limit()
+        if not lines and not cpu_killed and not oom_killed:
             err = boot_err.decode(errors="replace").strip().splitlines()
             return [], f"sandbox failed: {err[-1] if err else proc.returncode}"
         if lines and lines[-1].get("error"):
@@ -598,7 +610,8 @@ def _run_stages(stages: list[_Stage], limits: SandboxLimits) -> tuple[list[Sandb
         netns = bool(lines[-1].get("netns", root)) if lines else root
         results = []
         for i, fs in enumerate(files):
-            s = done[i] if i < len(done) else {"returncode": None, "timed_out": True}  # killed for CPU
+            # a stage that never reported was killed with the sandbox: for CPU time, or by an OOM kill
+            s = done[i] if i < len(done) else {"returncode": None, "timed_out": bool(cpu_killed)}
             results.append(
                 SandboxResult(
                     s["returncode"],
