@@ -427,13 +427,15 @@ class _Cgroup:
             return 0.0
 
     def hit_memory_limit(self) -> bool:
-        """Whether the kernel had to kill for, or refuse, memory past the limit (an OOM kill may take the
-        boot process itself: the program's tests then fail, the sandbox did its job)."""
+        """Whether the kernel OOM-killed in this cgroup (the kill may take the boot process itself: the
+        program's tests then fail, the sandbox did its job)."""
         try:
             if self.v2:
                 events = (self.dirs["memory"] / "memory.events").read_text().split()
                 return int(events[events.index("oom_kill") + 1]) > 0
-            return int((self.dirs["memory"] / "memory.failcnt").read_text()) > 0
+            # v1 counts OOM kills in memory.oom_control (memory.failcnt stays 0 on an OOM kill)
+            fields = (self.dirs["memory"] / "memory.oom_control").read_text().split()
+            return int(fields[fields.index("oom_kill") + 1]) > 0
         except (OSError, ValueError):
             return False
 
