@@ -88,7 +88,8 @@ def validate(cfg: RelaxConfig) -> None:
 
         _check_reward_imports(cfg.reward)  # first: its message names the user's file and line
         probe_rows = None
-        if not d.train_path and d.synthetic:  # the run generates its dataset: probe with its first draws
+        # only a custom reward is probed; a generated dataset's first draws are its probe rows
+        if cfg.reward._target_ is not None and not d.train_path and d.synthetic:
             from relax_core.synthetic import first_synthetic_rows
 
             probe_rows = (f"data.synthetic={d.synthetic}", first_synthetic_rows(d, cfg.seed, NUM_PROBES))
