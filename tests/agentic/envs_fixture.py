@@ -9,6 +9,7 @@ import time
 from relax_core.agentic.env import BaseInteractionEnv
 
 RELEASE = threading.Event()  # lets a test end the hung threads it caused
+HUNG_STEP_RETURNED = threading.Event()  # set when a hung step is released: nothing may wait for it
 
 
 class EchoEnv(BaseInteractionEnv):
@@ -51,6 +52,7 @@ class FlakyEnv(BaseInteractionEnv):
             raise ValueError("tool crashed")
         if self.mode == "hang":
             RELEASE.wait(60)
+            HUNG_STEP_RETURNED.set()
             return "late", False, {}
         return ("again", False, {}) if self.turns < 2 else (None, True, {"reward": 1.0, "acc": 1.0})
 

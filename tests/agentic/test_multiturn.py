@@ -114,17 +114,17 @@ def flaky_prompts(tokenizer, modes: list[str]) -> list[PromptRecord]:
 @pytest.mark.parametrize("policy", ["mask", "keep"])
 def test_env_that_raises_or_hangs_fails_only_its_sample(tokenizer, engine, policy):
     envs_fixture.RELEASE.clear()
+    envs_fixture.HUNG_STEP_RETURNED.clear()
     cfg = rollout_cfg(f"{FIX}.FlakyEnv", env_step_timeout_s=1.0, failed_sample_policy=policy)
     modes = ["ok", "raise", "hang", "raise_reset", "async"]
-    start = time.monotonic()
     try:
         samples = MultiTurnRunner(cfg, tokenizer).generate(
             engine, flaky_prompts(tokenizer, modes), SamplingParams(max_new_tokens=4, n=1)
         )
+        # the hung step is released only below: a hung environment costs one step limit, not the run
+        assert not envs_fixture.HUNG_STEP_RETURNED.is_set(), "the episodes waited for the hung step"
     finally:
         envs_fixture.RELEASE.set()
-    elapsed = time.monotonic() - start
-    assert elapsed < 10, "a hung environment costs one step limit, not the run"
     by_mode = dict(zip(modes, samples))
     for mode in ("ok", "async"):
         s = by_mode[mode]

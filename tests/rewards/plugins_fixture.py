@@ -14,9 +14,13 @@ Metadata = dict[str, Any] | None
 
 
 def sleepy_reward(response: str, label: Any, metadata: Metadata = None) -> float:
-    """Hangs for 30 s when asked to, else scores an exact match."""
-    if (metadata or {}).get("hang"):
+    """Hangs for 30 s when asked to (then touches the file ``metadata["woke"]``, if given: a caller that
+    waited for the hung call finds it), else scores an exact match."""
+    md = metadata or {}
+    if md.get("hang"):
         time.sleep(30)
+        if md.get("woke"):
+            open(md["woke"], "w").close()
     return 1.0 if response.strip() == str(label) else 0.0
 
 

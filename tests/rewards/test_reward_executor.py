@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -26,21 +25,20 @@ def items(*rows: tuple[str, str, dict | None]) -> list[RewardItem]:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_hanging_reward_times_out_without_blocking_the_batch(num_workers: int, caplog) -> None:
+def test_hanging_reward_times_out_without_blocking_the_batch(num_workers: int, caplog, tmp_path) -> None:
     cfg = RewardConfig(_target_=plugin("sleepy_reward"), num_workers=num_workers, timeout_s=1.0)
-    batch = items(("7", "7", None), ("x", "7", {"hang": True}), ("8", "8", None), ("9", "1", None))
+    woke = tmp_path / "woke"  # touched when the hung call's 30 s sleep ends: nothing may wait for that
+    hang = {"hang": True, "woke": str(woke)}
+    batch = items(("7", "7", None), ("x", "7", hang), ("8", "8", None), ("9", "1", None))
     with RewardExecutor.from_config(cfg) as ex, caplog.at_level(logging.WARNING, "relax_rewards.executor"):
-        t0 = time.monotonic()
         outs = ex.score(batch)
-        elapsed = time.monotonic() - t0
+        assert not woke.exists(), "the batch waited for the hung call instead of timing it out"
         assert [o.reward for o in outs] == [1.0, 0.0, 1.0, 0.0]
         assert [o.error for o in outs] == [None, "timeout", None, None]
-        assert elapsed < 10.0
         assert "timed out" in caplog.text and "sample s1" in caplog.text
         # the hung call does not hold up the next batch
-        t0 = time.monotonic()
         assert [o.reward for o in ex.score(items(("3", "3", None)))] == [1.0]
-        assert time.monotonic() - t0 < 5.0
+        assert not woke.exists(), "the next batch waited for the hung call"
         stats = ex.stats()
     assert stats["num_timeouts"] == 1 and stats["num_errors"] == 0 and stats["num_samples"] == 5
     if num_workers:
