@@ -8,7 +8,6 @@ import torch
 
 from relax_core.algorithms.advantages import gae, last_token_rewards
 from relax_core.algorithms.value import clipped_value_loss
-from relax_core.backends.value_backend import ShardedValueBackend, ValueBackend
 from relax_core.databus import DataBus, partition_name, sample_key
 from relax_core.databus.records import FORWARD_FIELDS, SAMPLE_FIELDS, batch_from_rows, get_rows
 from relax_core.databus.stages import score_stage
@@ -34,6 +33,10 @@ class Critic:
             raise ValueError("the Critic role needs algorithm.critic")
         self.cfg = cfg.algorithm.critic
         self.gamma, self.lam = cfg.algorithm.gamma, cfg.algorithm.lam
+        # imported here: the value backend brings FSDP's modules (~0.9 s), which a run without a Critic
+        # (every algorithm but PPO) would pay at every launch for nothing
+        from relax_core.backends.value_backend import ShardedValueBackend, ValueBackend
+
         backend = ShardedValueBackend if sharded else ValueBackend
         self.backend = backend(model_path, self.cfg, cfg.model)
 
