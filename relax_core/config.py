@@ -276,9 +276,13 @@ class DataConfig:
     """Where prompts come from and which columns mean what (``conf/data/``)."""
 
     name: str = "digits"
-    # local JSONL/Parquet files; null with a ``synthetic`` task generates them into the run dir
+    # a JSONL/JSON/Parquet/Arrow file or glob, a save_to_disk folder or a dataset name in the local Hugging
+    # Face cache (relax_core/data.py); null with a ``synthetic`` task generates files into the run dir
     train_path: str | None = None
     eval_path: str | None = None
+    # the split of train_path / eval_path when it has several (a DatasetDict); one split is taken as is
+    split: str = "train"
+    eval_split: str = "test"
     # column names; dots reach into nested objects (e.g. reward_model.ground_truth)
     prompt_key: str = "prompt"
     label_key: str = "label"
@@ -420,13 +424,17 @@ class MegatronParallelConfig:
 
 @dataclass
 class LoRAConfig:
-    """Low-rank adapters on the policy (``trainer.lora``): base weights frozen, AdamW state for the adapters
-    alone; engines, the Reference and ``final_model`` get the merged weights W + B·A·alpha/rank."""
+    """Low-rank adapters on the policy (``trainer.lora``, built by peft): base weights frozen, AdamW state for
+    the adapters alone; engines, the Reference and ``final_model`` get the merged weights W + B·A·alpha/rank,
+    ``final_model/adapter`` the adapters in peft's format."""
 
     # 0 or null: full fine-tuning
     rank: int | None = 0
     alpha: float = 16.0
     dropout: float = 0.0
+    # adapters train at this multiple of trainer.lr (and of trainer.sft_lr when the warm-start trains them):
+    # rank-8 adapters move the policy less per step than full fine-tuning (4 x 5e-4 learns the default task)
+    lr_scale: float = 4.0
     # the supervised warm-start trains the full model (it stands in for pretraining a random-init tiny model,
     # which rank-8 adapters on frozen random weights barely move); the adapters then train from the RL phase
     # on, and checkpoints keep the warm-started base next to them. false: adapters only from the start
@@ -517,6 +525,13 @@ class LoggerConfig:
     run_name: str | None = None
     # TensorBoard event files in <run dir>/tensorboard as well (logger=tensorboard turns it on by itself)
     tensorboard: bool = False
+    # a W&B run as well (logger=wandb turns it on by itself); files in <run dir>/wandb, offline unless
+    # logged in (relax_core/metrics.py: wandb_mode)
+    wandb: bool = False
+    wandb_project: str = "relax"
+    wandb_entity: str | None = None
+    # null: a sweep's points share the group "sweep-<date>-<time>" (relax_launch/sweep.py), a run has none
+    wandb_group: str | None = None
     plot: bool = True
     # Apprise URLs notified at start, finish and failure
     notify_urls: list[str] = field(default_factory=list)
@@ -541,8 +556,10 @@ class ControlPlaneConfig:
 class EvalSetConfig:
     """One named held-out set (``eval.sets.<name>``); its metrics are ``eval/<name>/...``."""
 
-    # local JSONL/Parquet file; null: the data config's eval split (generated or data.eval_path)
+    # a dataset as data.train_path takes it; null: the data config's eval split (generated or data.eval_path)
     path: str | None = None
+    # its split when it has several (null: data.eval_split)
+    split: str | None = None
     # column names and system prompt of this file (null: the data config's)
     prompt_key: str | None = None
     label_key: str | None = None
@@ -599,5 +616,8 @@ class RelaxConfig:
     control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 1
+    # what a point of an optimising sweep (hydra/sweeper=optuna) returns: a summary.json key (dots reach
+    # into eval_sets_final) or a per-step metric's last value in metrics.jsonl
+    sweep_metric: str = "eval_accuracy_final"
     # set by the launcher to Hydra's output dir; every artefact of the run goes below it
     output_dir: str = "."

@@ -116,7 +116,8 @@ class Evaluator:
                 label_key=s.label_key or cfg.data.label_key,
                 system_prompt=s.system_prompt if s.system_prompt is not None else cfg.data.system_prompt,
             )
-            prompts = load_prompts(path, data, tokenizer, media, s.prompt_template)[0][: s.limit]
+            split = s.split or cfg.data.eval_split
+            prompts = load_prompts(path, data, tokenizer, media, s.prompt_template, split, s.limit)[0]
             self.sets[name] = EvalSet(name, s, prompts, s.reward)
         # agent programs play episodes at the rollout's own sampling: no sampled pass there. In a training
         # run the sampled pass must leave the training draws as they were, which only the torch engine's

@@ -1,13 +1,15 @@
-"""Where a run's numbers go: ``metrics.jsonl``, MLflow, TensorBoard, the terminal and a reward plot."""
+"""Where a run's numbers go: ``metrics.jsonl``, MLflow, TensorBoard, W&B, the terminal and a reward plot."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import netrc
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -149,10 +151,71 @@ class MlflowRun:
         client.set_terminated(run_id, status)
 
 
+def wandb_mode() -> str:
+    """``WANDB_MODE`` when set; else ``online`` if the user has logged in (``WANDB_API_KEY``, or the netrc
+    entry ``wandb login`` writes for the W&B host), ``offline`` otherwise: a run never stops at W&B's login
+    prompt or waits on the network."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC") or None).authenticators(host or "")
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    return "online" if entry else "offline"
+
+
+class WandbRun:
+    """This run's W&B run: the resolved config, per-step metrics, and at the end the summary, the reward
+    plot and the eval tables. ``wandb`` is imported here only: runs without it never pay its import."""
+
+    def __init__(self, logger_cfg: LoggerConfig, resolved: dict[str, Any], out: Path) -> None:
+        import wandb
+
+        mode = wandb_mode()
+        self.run = wandb.init(
+            project=logger_cfg.wandb_project,
+            entity=logger_cfg.wandb_entity,
+            group=logger_cfg.wandb_group or os.environ.get("RELAX_SWEEP_GROUP"),
+            name=logger_cfg.run_name,
+            config=resolved,
+            dir=str(out),
+            mode=mode,
+            # Relax logs to the console itself; W&B's stdout capture would wrap it a second time
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        log.info("W&B run %s (%s) in %s", self.run.id, mode, self.run.dir)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self, summary: dict[str, Any], plot: Path | None, status: str) -> None:
+        import wandb
+
+        self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+        tables: dict[str, Any] = {}
+        if plot is not None:
+            tables["reward_curve"] = wandb.Image(str(plot))
+        start, final = summary.get("eval_sets_start") or {}, summary.get("eval_sets_final") or {}
+        if final:  # one row per (eval set, metric): before RL and at the end
+            rows = [
+                [name, metric, (start.get(name) or {}).get(metric), value]
+                for name, metrics in final.items()
+                for metric, value in metrics.items()
+            ]
+            tables["eval_sets"] = wandb.Table(columns=["set", "metric", "start", "final"], data=rows)
+        if tables:
+            self.run.log(tables)
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
 class MetricsSink:
     """One per run, in the driver. MLflow holds params (flattened config), per-step metrics, artefacts;
     TensorBoard (``logger=tensorboard``, or ``logger.tensorboard=true`` next to another logger) gets the
-    per-step scalars and the config as text, in ``<run dir>/tensorboard``."""
+    per-step scalars and the config as text, in ``<run dir>/tensorboard``; W&B (``logger=wandb`` or
+    ``logger.wandb=true``) the config, the metrics, the plot and the eval tables, in ``<run dir>/wandb``."""
 
     def __init__(self, cfg: RelaxConfig, resolved: dict[str, Any]) -> None:
         self.cfg = cfg
@@ -165,10 +228,13 @@ class MetricsSink:
         self.history: list[dict[str, float]] = []
         self.mlflow = None
         self.tensorboard = None
+        self.wandb = None
         if cfg.logger.name == "mlflow":
             self._start_mlflow(resolved)
         if cfg.logger.name == "tensorboard" or cfg.logger.tensorboard:
             self._start_tensorboard()
+        if cfg.logger.name == "wandb" or cfg.logger.wandb:
+            self.wandb = WandbRun(cfg.logger, resolved, self.out)
 
     def _start_tensorboard(self) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -198,6 +264,8 @@ class MetricsSink:
         if self.mlflow:
             finite = {k.replace("@", "_"): v for k, v in record.items() if k != "step" and math.isfinite(v)}
             self.mlflow.log_metrics(finite, step)
+        if self.wandb:
+            self.wandb.log_metrics({k: v for k, v in record.items() if k != "step"}, step)
         if self.tensorboard:
             for key, value in record.items():
                 if key != "step" and math.isfinite(value):
@@ -295,4 +363,6 @@ class MetricsSink:
             )
         if self.tensorboard:
             self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish(summary, plot, status)
         self.jsonl.close()

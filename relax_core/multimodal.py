@@ -98,7 +98,7 @@ class MediaPrompts:
 
         return cls(load_processor(model_path), modality_cfg)
 
-    def row_items(self, row: dict, base_dir: str | Path) -> dict[str, list[Any]]:
+    def row_items(self, row: dict, base_dir: str | Path | None) -> dict[str, list[Any]]:
         """The media items of one dataset row per kind (:func:`row_media` with this run's columns)."""
         return row_media(row, self.modality_cfg, base_dir)
 
@@ -185,12 +185,29 @@ def multimodal_model_inputs(
     return input_ids, kwargs
 
 
+# the media kinds each rollout engine takes (vLLM: images, sent as PNGs; SGLang: token ids only)
+ENGINE_MEDIA = {"torch": set(MEDIA_KINDS), "vllm": {"image"}}
+
+
 def check_engine_takes_media(cfg: RelaxConfig) -> None:
-    """Only ``rollout=torch`` engines take media; the memory doctor asks too, before it sizes the run."""
+    """The rollout engine takes the run's media kinds; the memory doctor asks too, before it sizes the run."""
+    engine = cfg.rollout.engine
     media = [kind for kind, column in cfg.modality.keys.items() if column is not None]
-    if media and cfg.rollout.engine != "torch":
+    refused = [kind for kind in media if kind not in ENGINE_MEDIA.get(engine, set())]
+    if refused and engine == "vllm":
         raise RelaxUserError(
-            f"rollout={cfg.rollout.engine} cannot take {'/'.join(media)} inputs yet (its HTTP client sends token "
+            f"rollout=vllm cannot take {'/'.join(refused)} inputs yet (Relax sends vLLM images only): set "
+            f"modality.keys.{refused[0]}=null or use rollout=torch"
+        )
+    if not refused and engine == "vllm" and "image" in media:
+        from relax_core.engines.vllm import vllm_images_unavailable_reason
+
+        reason = vllm_images_unavailable_reason(cfg.rollout.vllm_python)
+        if reason:
+            raise RelaxUserError(reason)
+    if refused:
+        raise RelaxUserError(
+            f"rollout={engine} cannot take {'/'.join(media)} inputs yet (its HTTP client sends token "
             f"ids only, so the engine would never see the media of modality={cfg.modality.name}): use "
             "rollout=torch"
         )
@@ -219,5 +236,6 @@ def validate_model_and_modality(cfg: RelaxConfig) -> None:
         )
     if not cfg.data.train_path and not cfg.data.synthetic:
         raise RelaxUserError(
-            "data.train_path is required (data.synthetic is null): give a local JSONL or Parquet file"
+            "data.train_path is required (data.synthetic is null): give a dataset file, glob, save_to_disk "
+            "folder or cached Hugging Face dataset name"
         )

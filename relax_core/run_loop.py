@@ -57,7 +57,7 @@ class RunLoop:
         train_path, eval_path = dataset_paths(cfg.data, cfg.output_dir, cfg.seed)
         # multimodal runs (modality.keys): the processor reads media columns; None for text
         self.media = MediaPrompts.from_config(cfg.modality, model_path)
-        train, self.skipped_rows = load_prompts(train_path, cfg.data, self.tokenizer, self.media)
+        train, self.skipped_rows = load_prompts(train_path, cfg.data, self.tokenizer, self.media, lazy=True)
         self.evaluator = Evaluator(cfg, self.tokenizer, self.media, eval_path)
         self.stream = PromptStream(train, cfg.seed, cfg.data.shuffle)
         teacher_path = None
@@ -324,7 +324,8 @@ class RunLoop:
             # every set's metrics before RL and at the end (pass@k, maj@k, lengths ...)
             "eval_sets_start": self.evaluator.summary(start_eval),
             "eval_sets_final": self.evaluator.summary(final_eval),
-            "skipped_rows": self.skipped_rows,
+            # a lazily read training set meets its malformed rows as batches draw them
+            "skipped_rows": getattr(self.stream.records, "skipped", self.skipped_rows),
             "output_dir": cfg.output_dir,
         }
         summary["reward_gain"] = summary["reward_last_10pct"] - summary["reward_first_10pct"]

@@ -18,6 +18,7 @@ from relax_core.config import RelaxConfig
 from relax_core.errors import RelaxUserError, disk_full
 from relax_core.health import RunFailedError
 from relax_launch.cluster import LAUNCHERS
+from relax_launch.sweep import optimising_sweep, sweep_objective
 
 CONFIG_MODULE = "relax_launch.conf"
 ConfigStore.instance().store(name="relax_schema", node=RelaxConfig)
@@ -29,7 +30,8 @@ log = logging.getLogger("relax")
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> float | None:
+    """Run one experiment; a point of an optimising sweep returns its ``sweep_metric`` to the sweeper."""
     from relax_launch.run import run_experiment
 
     try:
@@ -38,6 +40,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     cfg.output_dir = HydraConfig.get().runtime.output_dir
+    if optimising_sweep():
+        return _sweep_point(cfg)
     try:
         run_experiment(cfg)
     except RelaxUserError as err:
@@ -52,6 +56,22 @@ def _hydra_main(cfg: DictConfig) -> None:
         if full is None:
             raise
         _fail(str(full))
+
+
+def _sweep_point(cfg: DictConfig) -> float | None:
+    """One trial: its ``sweep_metric``, or None when the run fails, which the sweeper records as a failed
+    trial before it goes on (relax_launch/sweep.py; an exception or an exit would end the whole search)."""
+    from relax_launch.run import run_experiment
+
+    try:
+        summary = run_experiment(cfg)
+    except (RelaxUserError, RunFailedError) as err:
+        log.error("sweep point %s failed: %s", cfg.output_dir, str(err).splitlines()[0])
+        return None
+    except Exception:  # noqa: BLE001  (any crash of one point is that trial's failure)
+        log.exception("sweep point %s failed", cfg.output_dir)
+        return None
+    return sweep_objective(summary, cfg.sweep_metric)
 
 
 def _fail(message: str) -> NoReturn:

@@ -35,7 +35,15 @@ QUIET_ENV = {
 
 
 # what a finished run leaves in its run dir, as the last log line lists it (the loggers pick some)
-OUTPUTS = ("metrics.jsonl", "reward_curve.png", "mlflow.db", "tensorboard", "final_model", "config.yaml")
+OUTPUTS = (
+    "metrics.jsonl",
+    "reward_curve.png",
+    "mlflow.db",
+    "tensorboard",
+    "wandb",
+    "final_model",
+    "config.yaml",
+)
 
 
 def quiet_third_parties() -> None:

@@ -1,4 +1,4 @@
-"""Hydra callback for multiruns: one MLflow parent run per sweep, one child run per sweep point.
+"""Sweeps: one MLflow parent run and one W&B group per sweep; the value a point returns to a sweeper.
 
 ``on_multirun_start`` runs in the process that launches the sweep (before any point starts, whatever the
 launcher: in-process basic, or a Slurm job array through hydra-submitit-launcher). It creates the parent run
@@ -11,16 +11,27 @@ write to it concurrently; SQLite serialises writers with a file lock, so the URI
 (wait for the lock instead of failing with "database is locked"). The sweep dir must be on a filesystem
 with working POSIX locks (NFS often has none): there, or for many concurrent points, set
 ``logger.tracking_uri`` to an MLflow server (``mlflow server --backend-store-uri sqlite:///...``).
+
+W&B needs no shared store: every point's run carries the group ``RELAX_SWEEP_GROUP`` names.
+
+A sweeper that optimises (``hydra/sweeper=optuna``) reads what each point returns: :func:`sweep_objective`
+of its summary, or None for a failed point. The Optuna sweeper records None as a failed trial and goes on;
+NaN would end the search (hydra-optuna-sweeper 1.3.0 then tells Optuna a failed trial with a value, which
+Optuna refuses), and so would an exception (``max_failure_rate`` 0).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from relax_core.errors import RelaxUserError
@@ -29,6 +40,7 @@ from relax_core.metrics import check_tracking_server, create_run, mlflow_client
 log = logging.getLogger("relax")
 
 SQLITE_LOCK_TIMEOUT_S = 120
+_MISSING = object()
 
 
 def sweep_tracking_uri(sweep_dir: str | os.PathLike) -> str:
@@ -36,17 +48,56 @@ def sweep_tracking_uri(sweep_dir: str | os.PathLike) -> str:
     return f"sqlite:///{path}?timeout={SQLITE_LOCK_TIMEOUT_S}"
 
 
+def optimising_sweep() -> bool:
+    """True in a multirun whose sweeper reads the points' return values (Optuna and the other optimisers);
+    Hydra's basic sweeper ignores them."""
+    hydra_cfg = HydraConfig.get()
+    target = str(hydra_cfg.sweeper.get("_target_", ""))
+    return hydra_cfg.mode == RunMode.MULTIRUN and not target.endswith(".BasicSweeper")
+
+
+def sweep_objective(summary: dict[str, Any] | None, metric: str) -> float | None:
+    """``metric`` of a finished run: a ``summary.json`` key (``eval_sets_final.<set>.pass@4`` reaches
+    into nested ones), else the last value of a per-step metric in ``metrics.jsonl``; None when the run did
+    not finish (preempted, or a Slurm job not waited for) or left the metric empty or NaN (no eval set)."""
+    if not summary or summary.get("status") != "finished":
+        return None
+    node: Any = summary
+    for part in metric.split("."):
+        node = node[part] if isinstance(node, dict) and part in node else _MISSING
+    if node is _MISSING:
+        path = Path(summary["output_dir"]) / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        values = [row[metric] for row in rows if metric in row]
+        if not values:
+            raise RelaxUserError(
+                f"sweep_metric={metric!r} is neither a summary.json key nor a metric in {path} "
+                f"(summary keys: {', '.join(sorted(summary))})"
+            )
+        node = values[-1]
+    if node is not None and not isinstance(node, int | float):
+        raise RelaxUserError(f"sweep_metric={metric!r} is not a number but {type(node).__name__}: {node!r}")
+    return None if node is None or math.isnan(node) else float(node)
+
+
+def sweep_group(sweep_dir: Path) -> str:
+    """The W&B group of a sweep's points: ``sweep-<date>-<time>`` for Hydra's default sweep dir."""
+    return f"sweep-{sweep_dir.parent.name}-{sweep_dir.name}"
+
+
 class SweepCallback(Callback):
-    """Parent MLflow run around a multirun (no-op for single runs and for ``logger=jsonl``)."""
+    """Parent MLflow run and W&B group around a multirun (no-op for single runs; no parent run for loggers
+    other than MLflow)."""
 
     def __init__(self) -> None:
         self.run_id: str | None = None
         self.uri: str | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        os.environ["RELAX_SWEEP_GROUP"] = sweep_group(sweep_dir.resolve())
         if config.logger.name != "mlflow":
             return
-        sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         try:
             check_tracking_server(config.logger.tracking_uri)
@@ -63,6 +114,7 @@ class SweepCallback(Callback):
         log.info("sweep: MLflow parent run %s at %s", self.run_id, self.uri)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        os.environ.pop("RELAX_SWEEP_GROUP", None)
         if self.run_id is None:
             return
         mlflow_client(self.uri).set_terminated(self.run_id, "FINISHED")

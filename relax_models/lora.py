@@ -1,98 +1,107 @@
-"""Low-rank adapters (LoRA) on the linear layers of an HF model: ``y = x Wᵀ + b + s · dropout(x) Aᵀ Bᵀ``
-with ``s = alpha / rank``, ``A [rank, in]`` random and ``B [out, rank]`` zero at the start (the model starts as
-the base model), W and b frozen.
+"""Low-rank adapters (LoRA) through peft: ``inject_adapter_in_model`` puts peft's ``lora.Linear`` on the
+``target_modules`` layers of a plain HF model (no ``PeftModel`` wrapper, so the backends, FSDP2 and the forward
+see the model they always see), ``y = x Wᵀ + b + s · dropout(x) Aᵀ Bᵀ`` with ``s = alpha / rank``, B zero at the
+start. Only the adapters require grad.
 
-Our own small wrapper rather than peft: the models are plain ``nn.Linear`` layers, a :class:`LoRALinear`
-keeps the base layer's parameter names (``q_proj.weight``), so the HF names and shapes the rollout engines and
-checkpoints know stay as they are, and FSDP2 shards it like any other module (no peft wrapper prefixes to
-strip, no new dependency).
+Names: an adapted layer's base weight becomes ``<m>.base_layer.weight`` and its factors
+``<m>.lora_A.default.weight`` / ``<m>.lora_B.default.weight``. Engines and ``final_model`` get the HF names back
+(:func:`merged_weights`); adapters are saved in peft's own format (:func:`save_adapter`), which
+``PeftModel.from_pretrained(base, path)`` loads.
 """
 
 from __future__ import annotations
 
-import math
+import copy
+import re
 from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
-import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+from peft.utils import SAFETENSORS_WEIGHTS_NAME, load_peft_weights
+from safetensors.torch import save_file
 
 from relax_models.errors import RelaxUserError
 
+ADAPTER = "default"  # peft's adapter name; saved files leave it out
+# what PeftModel.save_pretrained puts before the HF names (its base_model.model wrapper)
+PEFT_PREFIX = "base_model.model."
 ADAPTER_NAMES = ("lora_A", "lora_B")
-
-
-class LoRALinear(torch.nn.Linear):
-    """An ``nn.Linear`` (same ``weight``/``bias``, frozen) plus trainable ``lora_A``/``lora_B``."""
-
-    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float, dropout: float) -> None:
-        torch.nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias  # the base layer's parameters, shared
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_A = torch.nn.Parameter(torch.empty(rank, self.in_features, **kw))
-        self.lora_B = torch.nn.Parameter(torch.empty(self.out_features, rank, **kw))
-        self.scale = alpha / rank
-        self.dropout = dropout
-        self.reset_adapter()
-
-    def reset_adapter(self) -> None:
-        """A as ``nn.Linear`` initialises its weight, B zero: the adapter adds nothing until trained."""
-        torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        torch.nn.init.zeros_(self.lora_B)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # dropout only on the training forward: scoring passes (no grad) see the deterministic policy
-        drop = self.dropout if self.training and torch.is_grad_enabled() else 0.0
-        low = F.linear(F.linear(F.dropout(x, drop) if drop else x, self.lora_A), self.lora_B)
-        return F.linear(x, self.weight, self.bias) + low * self.scale
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"
+_PEFT_KEY = re.compile(r"^(?P<module>.+)\.(?:base_layer\.(?P<leaf>.+)|(?P<factor>lora_[AB])\.[^.]+\.weight)$")
 
 
 def apply_lora(
     model: torch.nn.Module, rank: int, alpha: float, dropout: float, target_modules: list[str]
-) -> dict[str, float]:
-    """Replace every ``nn.Linear`` whose attribute name is in ``target_modules`` by a :class:`LoRALinear`
-    and freeze everything but the adapters. Returns ``{module name: scale}`` of the adapted layers."""
+) -> LoraConfig:
+    """peft adapters on every ``nn.Linear`` whose attribute name is in ``target_modules``; everything but the
+    adapters frozen. Returns the peft config (what :func:`save_adapter` writes)."""
     targets = set(target_modules)
+    # the full names of the matching nn.Linear layers: given the bare names, peft would also wrap the fused 3-D
+    # expert weights of a MoE model (gate_up_proj, down_proj), which neither the merge nor the doctor count
     found = [
-        (name, module)
+        name
         for name, module in model.named_modules()
-        if name.rsplit(".", 1)[-1] in targets
-        and isinstance(module, torch.nn.Linear)
-        and not isinstance(module, LoRALinear)
+        if name.rsplit(".", 1)[-1] in targets and isinstance(module, torch.nn.Linear)
     ]
     if not found:
         raise RelaxUserError(
             f"trainer.lora.target_modules={sorted(targets)} matches no linear layer of the model; "
             "name the model's projection layers (e.g. q_proj, v_proj)"
         )
-    model.requires_grad_(False)
-    for name, module in found:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, LoRALinear(module, rank, alpha, dropout))
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            module.lora_A.requires_grad_(True)
-            module.lora_B.requires_grad_(True)
-    return {name: alpha / rank for name, _ in found}
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=found)
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    if dropout:
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                module.lora_dropout[ADAPTER] = GradOnlyDropout(dropout)
+    return config
+
+
+class GradOnlyDropout(torch.nn.Dropout):
+    """peft's adapter dropout on the training forward only: scoring passes (no grad) of the policy, which
+    stays in train mode, see the deterministic adapters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if torch.is_grad_enabled() else x
+
+
+def lora_scales(model: torch.nn.Module) -> dict[str, float]:
+    """``{adapted layer name: alpha / rank}`` (peft's ``scaling``)."""
+    return {name: m.scaling[ADAPTER] for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
 def is_adapter(name: str) -> bool:
     """Whether a state-dict key names an adapter factor."""
-    return name.rsplit(".", 1)[-1] in ADAPTER_NAMES
+    return any(part in ADAPTER_NAMES for part in name.split("."))
+
+
+def zero_adapters(model: torch.nn.Module) -> None:
+    """B = 0: the model computes its base weights alone."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                module.lora_B[ADAPTER].weight.zero_()
+
+
+def peft_names(weights: dict[str, torch.Tensor], scales: dict[str, float]) -> dict[str, torch.Tensor]:
+    """HF-named weights under the adapted model's names (``<m>.weight`` -> ``<m>.base_layer.weight``)."""
+    out = {}
+    for name, tensor in weights.items():
+        module, _, leaf = name.rpartition(".")
+        out[f"{module}.base_layer.{leaf}" if module in scales else name] = tensor
+    return out
 
 
 def merged_weights(
     named: Iterable[tuple[str, torch.Tensor]], scales: dict[str, float]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The base model's state dict from a LoRA model's, in its order: each adapted ``<m>.weight`` becomes
-    ``W + scale · B A`` (computed in fp32), the adapter keys disappear. Streams: a base weight waits only for
-    its own ``lora_A``/``lora_B``, which follow it in a module's state dict."""
+    """The base model's state dict from the adapted model's, in its order and under the HF names: each adapted
+    ``<m>.weight`` becomes ``W + scale · B A`` (computed in fp32), the adapter keys disappear. Streams: a base
+    weight waits only for its own ``lora_A``/``lora_B``, which follow it in a module's state dict."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in named:
+    for name, tensor in _base_names(named, scales):
         module, _, leaf = name.rpartition(".")
         if module not in scales or leaf not in ("weight", *ADAPTER_NAMES):
             yield name, tensor
@@ -108,7 +117,55 @@ def merged_weights(
         raise ValueError(f"LoRA layers without their base weight or adapters: {sorted(pending)}")
 
 
-def check_lora_config(lora, backend: str, fsdp: bool = False) -> None:
+def base_weights(
+    named: Iterable[tuple[str, torch.Tensor]], scales: dict[str, float]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The frozen base alone under the HF names (what an adapter applies to), adapters left out."""
+    for name, tensor in _base_names(named, scales):
+        if name.rpartition(".")[2] not in ADAPTER_NAMES:
+            yield name, tensor
+
+
+def _base_names(
+    named: Iterable[tuple[str, torch.Tensor]], scales: dict[str, float]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Within an adapted ``<m>``: ``<m>.base_layer.weight`` -> ``<m>.weight``, ``<m>.lora_A.default.weight``
+    -> ``<m>.lora_A``; other names as they are."""
+    for name, tensor in named:
+        match = _PEFT_KEY.match(name)
+        if match and match["module"] in scales:
+            name = f"{match['module']}.{match['leaf'] or match['factor']}"
+        yield name, tensor
+
+
+def save_adapter(
+    path: str | Path,
+    model: torch.nn.Module,
+    adapters: dict[str, torch.Tensor],
+    config: LoraConfig,
+    base_model: str,
+) -> None:
+    """``adapters`` (the adapted model's adapter keys, full tensors) in the folder ``PeftModel.save_pretrained``
+    writes: ``adapter_config.json`` naming ``base_model`` and ``adapter_model.safetensors``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = copy.copy(config)
+    config.base_model_name_or_path = base_model
+    config.save_pretrained(str(path))
+    state = get_peft_model_state_dict(model, state_dict=adapters, adapter_name=ADAPTER)
+    state = {PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()}
+    save_file(state, str(path / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def load_adapter(path: str | Path, model: torch.nn.Module) -> list[str]:
+    """A :func:`save_adapter` folder's adapters into ``model``; returns the adapter keys that do not match
+    (``model``'s the folder lacks, the folder's ``model`` lacks)."""
+    weights = load_peft_weights(str(path), device="cpu")
+    result = set_peft_model_state_dict(model, weights, adapter_name=ADAPTER)
+    return [k for k in (*result.missing_keys, *result.unexpected_keys) if is_adapter(k)]
+
+
+def check_lora_config(lora: Any, backend: str, fsdp: bool = False) -> None:
     """One line naming the ``trainer.lora`` field that cannot work (``lora.rank`` is set)."""
     if fsdp and lora.full_warm_start:
         raise RelaxUserError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+# Hugging Face datasets converted from the tests' files stay in a folder of this session, not the user's
+# ~/.cache/huggingface (a test of a name in the hub cache builds its own cache there)
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="relax-tests-hf-datasets-"))
 # the shared 2-core machine: one intra-op thread keeps tests from fighting each other
 torch.set_num_threads(1)
 # a session started in the background of a non-interactive shell (`cmd &`) inherits SIGINT ignored, and

@@ -48,11 +48,13 @@ from relax_core.backends.torch_backend import TorchBackend, rng_state, set_rng_s
 from relax_core.placement import join_rendezvous
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_tokenizer
-from relax_models.lora import merged_weights
+from relax_models.lora import is_adapter, merged_weights, peft_names, zero_adapters
 from relax_models.megatron.cpu_shim import init_process_group
 from relax_models.weight_buckets import bucket_by_bytes
 
 if TYPE_CHECKING:
+    from peft import LoraConfig
+
     from relax_core.config import ModelConfig, TrainerConfig
 
 
@@ -105,6 +107,14 @@ class FSDPBackend(TorchBackend):
             if source is not None:
                 buffer.copy_(source_buffers[name])
             dist.broadcast(buffer, src=0)
+
+    def _apply_lora(self, model: torch.nn.Module) -> LoraConfig | None:
+        """The meta model's adapter init must not draw from the RNG: rank 0's source model then draws the
+        adapters an unsharded run would, and those reach every rank with the weights."""
+        if next(model.parameters()).is_meta:
+            with torch.random.fork_rng(devices=[]):
+                return super()._apply_lora(model)
+        return super()._apply_lora(model)
 
     def _cast_forward(self) -> None:
         """Nothing to wrap: the ``MixedPrecisionPolicy`` given to ``fully_shard`` casts the forward."""
@@ -176,9 +186,19 @@ class FSDPBackend(TorchBackend):
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Full HF-named weights; each rank keeps its shard."""
         set_model_state_dict(
-            self.model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False)
+            self.model,
+            peft_names(state_dict, self.lora_scales),
+            options=StateDictOptions(full_state_dict=True, strict=False),
         )
-        self._zero_adapters()
+        zero_adapters(self.model)
+
+    def _adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The adapters gathered in fp32 (collective)."""
+        return {k: _gather(v, torch.float32) for k, v in self.model.state_dict().items() if is_adapter(k)}
+
+    def _save_adapter(self, path: str, adapters: dict[str, torch.Tensor], base_model: str) -> None:
+        if self.rank == 0:
+            super()._save_adapter(path, adapters, base_model)
 
     # ------------------------------------------------------------------ checkpoints
     def _rank_file(self, path: str) -> Path:
@@ -199,6 +219,8 @@ class FSDPBackend(TorchBackend):
         step, which advances Adam's step count and changes the run that continues after the save.
         """
         os.makedirs(path, exist_ok=True)
+        if self.lora:  # a copy in peft's format for users; resume reads the sharded state
+            self._save_adapter(f"{path}/adapter", self._adapter_weights(), self.model_path)
         with_optimizer = self.optimizer is not None and bool(self.optimizer.state)
         if with_optimizer:
             model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._dcp_options())
@@ -256,12 +278,16 @@ class FSDPBackend(TorchBackend):
         set_rng_state(meta["rng"])
 
     def export_hf(self, path: str) -> None:
-        """Every rank gathers; rank 0 writes config, safetensors and tokenizer."""
+        """Every rank gathers; rank 0 writes config, safetensors and tokenizer (LoRA: and ``<path>/adapter``
+        in peft's format; FSDP never trains the base, so the adapters apply to ``model_path``)."""
         weights = self.state_dict()
+        adapters = self._adapter_weights() if self.lora else {}
         if self.rank != 0:
             return
         self._save_pretrained(path, weights)
         load_tokenizer(self.model_path).save_pretrained(path)
+        if self.lora:
+            self._save_adapter(f"{path}/adapter", adapters, self.model_path)
 
 
 def _gather(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -34,10 +34,22 @@ from relax_core.placement import role_device
 from relax_core.samples import TrainBatch
 from relax_models.errors import RelaxUserError
 from relax_models.loader import DTYPES, load_causal_lm, load_tokenizer
-from relax_models.lora import LoRALinear, apply_lora, is_adapter, merged_weights
+from relax_models.lora import (
+    apply_lora,
+    base_weights,
+    is_adapter,
+    load_adapter,
+    lora_scales,
+    merged_weights,
+    peft_names,
+    save_adapter,
+    zero_adapters,
+)
 from relax_models.routing_replay import RoutingReplay, replay_routing
 
 if TYPE_CHECKING:
+    from peft import LoraConfig
+
     from relax_core.config import ModelConfig, TrainerConfig
 
 # families whose text forward takes packed rows (position ids restarting per row, no attention mask)
@@ -64,10 +76,11 @@ class TorchBackend(TrainingBackend):
     the rollout engines load.
 
     ``trainer.lora.rank`` (a trainable policy only; not the Critic, whose trainer config has no ``lora``):
-    low-rank adapters on the ``target_modules`` layers are all that trains and all the optimizer holds;
-    weights leave the backend merged (W + B·A·alpha/rank) under the base model's names and shapes, and
-    checkpoints hold the adapters, their optimizer state, the scheduler and RNG (the frozen base is the
-    run's ``model_path``, or, after a ``full_warm_start``, kept in the checkpoint too).
+    peft's low-rank adapters on the ``target_modules`` layers are all that trains and all the optimizer holds,
+    at ``trainer.lora.lr_scale`` times the phase's learning rate; weights leave the backend merged
+    (W + B·A·alpha/rank) under the base model's names and shapes; checkpoints hold the adapters in peft's
+    format (``adapter/``) beside their optimizer state, the scheduler and RNG (the frozen base is the run's
+    ``model_path``, or, after a ``full_warm_start``, kept in the checkpoint too).
     """
 
     def __init__(
@@ -96,7 +109,8 @@ class TorchBackend(TrainingBackend):
         self.model.requires_grad_(trainable)
         lora = getattr(trainer_cfg, "lora", None) if trainable else None
         self.lora = lora if lora is not None and lora.rank else None
-        self.lora_scales = self._apply_lora(self.model)
+        self.lora_config = self._apply_lora(self.model)
+        self.lora_scales = lora_scales(self.model)
         # LoRA with full_warm_start: the base was trained by the warm-start, so checkpoints must keep it
         self.base_trained = False
         if trainable and model_cfg.gradient_checkpointing:
@@ -128,10 +142,10 @@ class TorchBackend(TrainingBackend):
             device=device,
         )
 
-    def _apply_lora(self, model: torch.nn.Module) -> dict[str, float]:
-        """Adapters on ``model`` when LoRA is on (``{layer name: scale}``; empty otherwise)."""
+    def _apply_lora(self, model: torch.nn.Module) -> LoraConfig | None:
+        """peft adapters on ``model`` when LoRA is on (their peft config; None otherwise)."""
         if not self.lora:
-            return {}
+            return None
         c = self.lora
         return apply_lora(model, c.rank, c.alpha, c.dropout, list(c.target_modules))
 
@@ -163,8 +177,11 @@ class TorchBackend(TrainingBackend):
         t = self.trainer_cfg
         # foreach: one multi-tensor kernel per update term instead of ~10 ops per parameter (torch picks the
         # per-parameter loop on CPU); same arithmetic, bit-identical weights
-        # LoRA: the adapters alone (the frozen base holds no optimizer state)
+        # LoRA: the adapters alone (the frozen base holds no optimizer state), at lr_scale x lr: adapters move
+        # the policy less per step than full fine-tuning at the same lr
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.lora and all(is_adapter(n) for n, p in self.model.named_parameters() if p.requires_grad):
+            lr *= self.lora.lr_scale
         self.optimizer = torch.optim.AdamW(
             params, lr=lr, weight_decay=t.weight_decay, betas=tuple(t.betas), foreach=True
         )
@@ -309,28 +326,28 @@ class TorchBackend(TrainingBackend):
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """LoRA: the weights become the base and the adapters add nothing, so the model computes exactly
         ``state_dict`` (ActorFwd follows the policy's merged weights)."""
-        self.model.load_state_dict(state_dict, strict=False)
-        self._zero_adapters()
+        self.model.load_state_dict(peft_names(state_dict, self.lora_scales), strict=False)
+        zero_adapters(self.model)
 
-    def _zero_adapters(self) -> None:
-        with torch.no_grad():
-            for module in self.model.modules():
-                if isinstance(module, LoRALinear):
-                    module.lora_B.zero_()
+    def _adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The adapters as full fp32 tensors on the CPU, under the model's state-dict names."""
+        return {
+            k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items() if is_adapter(k)
+        }
 
-    def _checkpoint_model_state(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint keeps of the model: every weight, or with LoRA the adapters alone (and the base
-        when the warm-start trained it)."""
-        state = self.model.state_dict()
-        if not self.lora or self.base_trained:
-            return state
-        return {k: v for k, v in state.items() if is_adapter(k)}
+    def _save_adapter(self, path: str, adapters: dict[str, torch.Tensor], base_model: str) -> None:
+        save_adapter(path, self.model, adapters, self.lora_config, base_model)
 
     def save_checkpoint(self, path: str) -> None:
+        """LoRA: the adapters in peft's format (``adapter/``), the model state only when the warm-start
+        trained the base."""
         os.makedirs(path, exist_ok=True)
+        if self.lora:
+            self._save_adapter(f"{path}/adapter", self._adapter_weights(), self.model_path)
+        full = not self.lora or self.base_trained
         torch.save(
             {
-                "model": self._checkpoint_model_state(),
+                "model": self.model.state_dict() if full else {},
                 "lora": bool(self.lora),
                 "base_trained": self.base_trained,
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None,
@@ -350,21 +367,33 @@ class TorchBackend(TrainingBackend):
                 "resume with the trainer.lora settings the checkpoint was saved with"
             )
         self.base_trained = state.get("base_trained", False)
-        strict = not self.lora or self.base_trained
-        missing = self.model.load_state_dict(state["model"], strict=strict).missing_keys
-        if any(is_adapter(k) for k in missing):
-            raise RelaxUserError(
-                f"checkpoint {path} has no adapters for {[k for k in missing if is_adapter(k)][:3]}: resume "
-                "with the trainer.lora.target_modules the checkpoint was saved with"
-            )
+        if not self.lora or self.base_trained:
+            self.model.load_state_dict(state["model"])
+        if self.lora:
+            mismatched = load_adapter(Path(path) / "adapter", self.model)
+            if mismatched:
+                raise RelaxUserError(
+                    f"checkpoint {path}'s adapters do not match this run's ({mismatched[:3]}): resume with the "
+                    "trainer.lora.target_modules the checkpoint was saved with"
+                )
         if self.optimizer and state["optimizer"]:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
 
     def export_hf(self, path: str) -> None:
+        """The merged model; LoRA: also the adapters in peft's format in ``<path>/adapter`` (their base: the
+        run's ``model_path``, or the warm-start-trained base, written to ``<path>/adapter/base``)."""
         self._save_pretrained(path, self.state_dict())
         load_tokenizer(self.model_path).save_pretrained(path)
+        if self.lora:
+            base = self.model_path
+            if self.base_trained:
+                base = str(Path(path).resolve() / "adapter" / "base")
+                weights = base_weights(self.model.state_dict().items(), self.lora_scales)
+                self._save_pretrained(base, {k: self._out(v) for k, v in weights})
+                load_tokenizer(self.model_path).save_pretrained(base)
+            self._save_adapter(f"{path}/adapter", self._adapter_weights(), base)
 
     def _save_pretrained(self, path: str, weights: dict[str, torch.Tensor]) -> None:
         """Config and safetensors of ``weights`` (in ``model.dtype``): the config records that dtype, not

@@ -69,12 +69,16 @@ class HttpEngine(RolloutEngine):
         response.raise_for_status()
         return response.json()
 
+    def media_fields(self, request: GenerationRequest) -> dict[str, Any]:
+        """The ``/generate`` fields carrying ``request``'s media (engines that take media override this)."""
+        # e.g. an external engine added to a multimodal run
+        raise RelaxUserError(
+            f"request {request.request_id!r} carries media, but the engine at {self.url} is driven over HTTP "
+            "with token ids only: multimodal runs need rollout=torch engines"
+        )
+
     def _one(self, request: GenerationRequest, sampling: SamplingParams) -> list[GenerationResult]:
-        if request.multimodal_inputs:  # e.g. an external engine added to a multimodal run
-            raise RelaxUserError(
-                f"request {request.request_id!r} carries media, but the engine at {self.url} is driven over HTTP "
-                "with token ids only: multimodal runs need rollout=torch engines"
-            )
+        media = self.media_fields(request) if request.multimodal_inputs else {}
         body = {
             "input_ids": request.input_ids,
             "sampling_params": {
@@ -89,6 +93,7 @@ class HttpEngine(RolloutEngine):
             },
             "return_logprob": True,
             "rid": request.request_id or None,
+            **media,
         }
         data = self._post("/generate", body)
         items = data if isinstance(data, list) else [data]

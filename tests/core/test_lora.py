@@ -1,19 +1,26 @@
-"""LoRA on the torch backend (``trainer.lora``): merged weights, adapter-only training, exact resume, export."""
+"""LoRA through peft on the torch backend (``trainer.lora``): merged weights, adapter-only training at
+``lr_scale`` x lr, exact resume from peft-format adapters, and a ``final_model/adapter`` that
+``PeftModel.from_pretrained`` loads."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
+from transformers import AutoModelForCausalLM
 
 from relax_core.backends.torch_backend import TorchBackend
 from relax_core.config import LoRAConfig, ModelConfig, TrainerConfig
 from relax_core.errors import RelaxUserError
+from relax_core.run_loop import RunLoop
 from relax_core.samples import Sample, TrainBatch
 from relax_models.loader import load_causal_lm
-from relax_models.lora import LoRALinear, check_lora_config, is_adapter
+from relax_models.lora import check_lora_config, is_adapter, peft_names
 
 LORA = TrainerConfig(
     lr=1e-2, lr_decay="cosine", total_steps=10, grad_clip=1.0, lora=LoRAConfig(rank=4, alpha=8)
@@ -40,6 +47,11 @@ def nll_step(backend: TorchBackend, batch: TrainBatch) -> dict[str, float]:
     return backend.train_step(batch, loss_fn, micro_batch_size=4)
 
 
+def logits(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+
+
 @pytest.fixture(scope="module")
 def batch(tokenizer) -> TrainBatch:
     return make_batch(tokenizer)
@@ -57,25 +69,27 @@ def test_only_adapters_train_and_engines_get_base_plus_delta(tiny_model_dir: Pat
     optimized = [p for g in lora.optimizer.param_groups for p in g["params"]]
     assert {id(p) for p in optimized} == {id(p) for p in adapters.values()}
     assert set(lora.optimizer.state) == set(optimized)  # AdamW state for the adapters alone
+    assert lora.optimizer.param_groups[0]["initial_lr"] == pytest.approx(LORA.lr * LORA.lora.lr_scale)
+    peft_base = peft_names(base, lora.lora_scales)
     for name, p in lora.model.named_parameters():
         if not is_adapter(name):
-            assert p.grad is None and torch.equal(p.cpu(), base[name]), name  # frozen and unchanged
+            assert p.grad is None and torch.equal(p.cpu(), peft_base[name]), name  # frozen and unchanged
 
     merged = lora.state_dict()
     assert {n: t.shape for n, t in merged.items()} == {n: t.shape for n, t in base.items()}
     layer = lora.model.model.layers[1].mlp.down_proj
-    assert isinstance(layer, LoRALinear) and layer.lora_B.abs().max() > 0
-    delta = layer.lora_B @ layer.lora_A * (8 / 4)
+    assert isinstance(layer, LoraLayer)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    assert b.abs().max() > 0
     name = "model.layers.1.mlp.down_proj.weight"
-    torch.testing.assert_close(merged[name].cpu(), base[name] + delta.detach().cpu(), rtol=0, atol=1e-6)
-    assert not torch.equal(merged[name].cpu(), base[name])
+    torch.testing.assert_close(merged[name], base[name] + (b @ a * (8 / 4)).detach(), rtol=0, atol=1e-6)
     # an engine (or the Reference) loading the merged weights into the plain model scores as the LoRA model
     plain = TorchBackend(str(tiny_model_dir), LORA, ModelConfig(), trainable=False)
     plain.load_state_dict(merged)
     torch.testing.assert_close(plain.forward_logprobs(batch), lora.forward_logprobs(batch), rtol=0, atol=1e-5)
 
 
-def test_checkpoint_holds_adapters_and_resumes_exactly(
+def test_checkpoint_holds_peft_adapters_and_resumes_exactly(
     tiny_model_dir: Path, batch: TrainBatch, tmp_path: Path
 ) -> None:
     torch.manual_seed(0)
@@ -85,7 +99,9 @@ def test_checkpoint_holds_adapters_and_resumes_exactly(
     want = nll_step(run, batch), run.state_dict()
 
     saved = torch.load(tmp_path / "ckpt" / "backend.pt", weights_only=False)
-    assert saved["model"] and all(is_adapter(n) for n in saved["model"])
+    assert saved["model"] == {}  # the frozen base is model_path; the adapters are in peft's folder
+    config = json.loads((tmp_path / "ckpt" / "adapter" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
     torch.manual_seed(1)  # a different adapter init: the checkpoint's must win
     resumed = TorchBackend(str(tiny_model_dir), LORA, ModelConfig())
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
@@ -96,19 +112,36 @@ def test_checkpoint_holds_adapters_and_resumes_exactly(
     full = TorchBackend(str(tiny_model_dir), replace(LORA, lora=LoRAConfig(rank=0)), ModelConfig())
     with pytest.raises(RelaxUserError, match="holds LoRA adapters; this run has trainer.lora.rank=0"):
         full.load_checkpoint(str(tmp_path / "ckpt"))
+    fewer = replace(LORA, lora=LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "gate_proj"]))
+    with pytest.raises(RelaxUserError, match="adapters do not match this run.s .*_proj"):
+        TorchBackend(str(tiny_model_dir), fewer, ModelConfig()).load_checkpoint(str(tmp_path / "ckpt"))
 
 
-def test_export_writes_the_merged_model_the_loader_loads(
-    tiny_model_dir: Path, batch: TrainBatch, tmp_path
+def test_export_writes_the_merged_model_and_a_peft_adapter_on_the_base(
+    tiny_model_dir: Path, batch: TrainBatch, tmp_path: Path
 ) -> None:
     lora = TorchBackend(str(tiny_model_dir), LORA, ModelConfig())
     nll_step(lora, batch)
     lora.export_hf(str(tmp_path / "final_model"))
-    exported = TorchBackend(str(tmp_path / "final_model"), LORA, ModelConfig(), trainable=False)
-    assert not any(isinstance(m, LoRALinear) for m in exported.model.modules())
-    torch.testing.assert_close(
-        exported.forward_logprobs(batch), lora.forward_logprobs(batch), rtol=0, atol=1e-5
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final_model"))
+    assert not any(isinstance(m, LoraLayer) for m in merged.modules())
+    torch.testing.assert_close(logits(merged, batch), logits(lora.model, batch), rtol=0, atol=1e-5)
+    adapter = tmp_path / "final_model" / "adapter"
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base == str(tiny_model_dir)  # adapters only from the start: the base is model.path
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter))
+    torch.testing.assert_close(logits(peft, batch), logits(merged, batch), rtol=0, atol=1e-5)
+
+
+def test_dropout_only_on_the_training_forward(tiny_model_dir: Path, batch: TrainBatch) -> None:
+    run = TorchBackend(
+        str(tiny_model_dir), replace(LORA, lora=LoRAConfig(rank=4, dropout=0.5)), ModelConfig()
     )
+    nll_step(run, batch)  # B != 0: dropout on A's input changes the output
+    assert run.model.training
+    assert torch.equal(run.forward_logprobs(batch), run.forward_logprobs(batch))  # scoring: deterministic
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    assert not torch.equal(run.model(**inputs).logits, run.model(**inputs).logits)
 
 
 def test_bad_lora_settings_stop_with_one_line(tiny_model_dir: Path) -> None:
@@ -130,10 +163,11 @@ def test_full_warm_start_trains_the_base_then_adapters_and_resumes_with_that_bas
     base = load_causal_lm(str(tiny_model_dir), "float32", "sdpa").state_dict()
     run.set_warm_start(True)
     run.reset_optimizer(1e-2)
+    assert run.optimizer.param_groups[0]["lr"] == 1e-2  # the full model trains at the lr given
     nll_step(run, batch)
     layer = run.model.model.layers[0].self_attn.q_proj
-    assert not layer.lora_B.any()  # the warm-start moved the base only
-    assert not torch.equal(layer.weight.cpu(), base["model.layers.0.self_attn.q_proj.weight"])
+    assert not layer.lora_B["default"].weight.any()  # the warm-start moved the base only
+    assert not torch.equal(layer.base_layer.weight, base["model.layers.0.self_attn.q_proj.weight"])
     run.set_warm_start(False)
     run.reset_optimizer(1e-2)
     assert all(is_adapter(n) == p.requires_grad for n, p in run.model.named_parameters())
@@ -141,10 +175,37 @@ def test_full_warm_start_trains_the_base_then_adapters_and_resumes_with_that_bas
     run.save_checkpoint(str(tmp_path / "ckpt"))
     want = nll_step(run, batch), run.state_dict()
 
-    resumed = TorchBackend(
-        str(tiny_model_dir), trainer, ModelConfig()
-    )  # no warm-start: the checkpoint's base
+    # no warm-start: the checkpoint's base
+    resumed = TorchBackend(str(tiny_model_dir), trainer, ModelConfig())
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
     got = nll_step(resumed, batch), resumed.state_dict()
     assert got[0] == want[0]
     assert all(torch.equal(got[1][n], t) for n, t in want[1].items())
+
+
+def test_a_run_writes_an_adapter_peft_loads_onto_its_base_as_the_merged_final_model(
+    make_cfg, tiny_model_dir: Path, tmp_path: Path, batch: TrainBatch
+) -> None:
+    """``trainer.lora.rank`` alone: the warm-start trains the full model, so ``final_model/adapter`` names the
+    warm-started base it wrote (``adapter/base``); peft on that base gives ``final_model``'s logits."""
+    cfg = make_cfg(
+        "cluster=in_process",
+        "logger=jsonl",
+        f"model.path={tiny_model_dir}",
+        "trainer.lora.rank=4",
+        "trainer.total_steps=2",
+        "trainer.sft_warmup_steps=2",
+        "trainer.sft_batch_size=16",
+        "trainer.eval_every=0",
+        "eval.sets.heldout.greedy=false",
+        "eval.sets.heldout.n_samples=0",
+        "rollout.max_new_tokens=4",
+    )
+    RunLoop(cfg, {}).run()
+    adapter = tmp_path / "final_model" / "adapter"
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert Path(base) == adapter.resolve() / "base"
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final_model"))
+    torch.testing.assert_close(logits(peft, batch), logits(merged, batch), rtol=0, atol=1e-5)
+    assert not torch.allclose(logits(peft.get_base_model(), batch), logits(merged, batch))  # RL moved B

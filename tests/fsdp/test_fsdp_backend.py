@@ -195,6 +195,7 @@ def _worker(rank: int, port: int, model_dir: str, tmp: str, queue: Any) -> None:
         torch.manual_seed(5)
         lora = FSDPBackend(model_dir, LORA_TRAINER, ModelConfig())
         result["lora"] = trajectory(lora, batch, Path(tmp) / "lora_ckpt")
+        lora.export_hf(str(Path(tmp) / "lora_export"))
         torch.manual_seed(99)
         resumed = FSDPBackend(model_dir, LORA_TRAINER, ModelConfig())
         resumed.load_checkpoint(str(Path(tmp) / "lora_ckpt"))
@@ -414,3 +415,17 @@ def test_lora_two_ranks_match_one_rank_and_resume_exactly(sharded, single) -> No
         _assert_weights_close(got["weights2"], want["weights2"])
         assert got["resumed_step2"] == got["step2"]
         _assert_weights_equal(got["resumed_weights2"], got["weights2"])
+
+
+def test_lora_adapters_leave_in_peft_format(sharded, tiny_model_dir: Path) -> None:
+    """The gathered adapters of the checkpoint (after step 1) and of the export (after step 2), merged by peft
+    onto the base model, are the weights the backend published then."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    for folder, weights in (("lora_ckpt", "weights1"), ("lora_export", "weights2")):
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+        peft = PeftModel.from_pretrained(base, str(sharded["dir"] / folder / "adapter"))
+        merged = peft.merge_and_unload().state_dict()
+        want = sharded[0]["lora"][weights]
+        _assert_weights_close({n: merged[n] for n in want}, want)
