@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
-from peft.utils import SAFETENSORS_WEIGHTS_NAME, load_peft_weights
-from safetensors.torch import save_file
 
 from relax_models.errors import RelaxUserError
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+# peft is imported by the functions that build, save or load adapters: importing it costs over a second,
+# which every launch and every trainer process of a run without LoRA would pay for nothing
 
 ADAPTER = "default"  # peft's adapter name; saved files leave it out
 # what PeftModel.save_pretrained puts before the HF names (its base_model.model wrapper)
@@ -37,6 +40,9 @@ def apply_lora(
 ) -> LoraConfig:
     """peft adapters on every ``nn.Linear`` whose attribute name is in ``target_modules``; everything but the
     adapters frozen. Returns the peft config (what :func:`save_adapter` writes)."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
     targets = set(target_modules)
     # the full names of the matching nn.Linear layers: given the bare names, peft would also wrap the fused 3-D
     # expert weights of a MoE model (gate_up_proj, down_proj), which neither the merge nor the doctor count
@@ -69,6 +75,10 @@ class GradOnlyDropout(torch.nn.Dropout):
 
 def lora_scales(model: torch.nn.Module) -> dict[str, float]:
     """``{adapted layer name: alpha / rank}`` (peft's ``scaling``)."""
+    if "peft" not in sys.modules:  # nothing imported peft, so no layer can be one of its adapters
+        return {}
+    from peft.tuners.lora import LoraLayer
+
     return {name: m.scaling[ADAPTER] for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
@@ -79,6 +89,10 @@ def is_adapter(name: str) -> bool:
 
 def zero_adapters(model: torch.nn.Module) -> None:
     """B = 0: the model computes its base weights alone."""
+    if "peft" not in sys.modules:
+        return
+    from peft.tuners.lora import LoraLayer
+
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, LoraLayer):
@@ -147,6 +161,10 @@ def save_adapter(
 ) -> None:
     """``adapters`` (the adapted model's adapter keys, full tensors) in the folder ``PeftModel.save_pretrained``
     writes: ``adapter_config.json`` naming ``base_model`` and ``adapter_model.safetensors``."""
+    from peft import get_peft_model_state_dict
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME
+    from safetensors.torch import save_file
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = copy.copy(config)
@@ -160,6 +178,9 @@ def save_adapter(
 def load_adapter(path: str | Path, model: torch.nn.Module) -> list[str]:
     """A :func:`save_adapter` folder's adapters into ``model``; returns the adapter keys that do not match
     (``model``'s the folder lacks, the folder's ``model`` lacks)."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
     weights = load_peft_weights(str(path), device="cpu")
     result = set_peft_model_state_dict(model, weights, adapter_name=ADAPTER)
     return [k for k in (*result.missing_keys, *result.unexpected_keys) if is_adapter(k)]
