@@ -7,7 +7,9 @@ in ``tests/tiny_dims.py``.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -27,7 +29,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 # Hugging Face datasets converted from the tests' files stay in a folder of this session, not the user's
 # ~/.cache/huggingface (a test of a name in the hub cache builds its own cache there)
-os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="relax-tests-hf-datasets-"))
+if "HF_DATASETS_CACHE" not in os.environ:
+    os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="relax-tests-hf-datasets-")
+    atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 # the shared 2-core machine: one intra-op thread keeps tests from fighting each other
 torch.set_num_threads(1)
 # a session started in the background of a non-interactive shell (`cmd &`) inherits SIGINT ignored, and
