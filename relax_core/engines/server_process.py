@@ -64,20 +64,25 @@ class ServerProcess:
             pass
 
 
-def python_with(package: str, chosen: str, hint: str) -> str:
-    """``chosen`` when it is a Python that has ``package`` (an engine's own interpreter: vLLM and SGLang pin
-    their own torch); a RelaxUserError naming the cause and ``hint`` otherwise."""
-    if not Path(chosen).exists():
-        raise RelaxUserError(f"rollout.engine={package} cannot start: no Python at {chosen}; {hint}")
+def has_package(python: str, package: str) -> bool:
+    """Whether the interpreter ``python`` finds ``package`` (looked up, not imported)."""
     probe = subprocess.run(
         [
-            chosen,
+            python,
             "-c",
             f"import importlib.util, sys; sys.exit(importlib.util.find_spec({package!r}) is None)",
         ],
         capture_output=True,
     )
-    if probe.returncode != 0:
+    return probe.returncode == 0
+
+
+def python_with(package: str, chosen: str, hint: str) -> str:
+    """``chosen`` when it is a Python that has ``package`` (an engine's own interpreter: vLLM and SGLang pin
+    their own torch); a RelaxUserError naming the cause and ``hint`` otherwise."""
+    if not Path(chosen).exists():
+        raise RelaxUserError(f"rollout.engine={package} cannot start: no Python at {chosen}; {hint}")
+    if not has_package(chosen, package):
         raise RelaxUserError(f"rollout.engine={package} cannot start: {chosen} has no {package}; {hint}")
     return chosen
 

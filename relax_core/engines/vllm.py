@@ -20,7 +20,6 @@ import importlib.util
 import io
 import logging
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -39,6 +38,7 @@ from relax_core.engines.base import (
 from relax_core.engines.server_process import (
     ServerEngine,
     ServerProcess,
+    has_package,
     python_with,
 )
 from relax_core.errors import RelaxUserError
@@ -92,15 +92,7 @@ def vllm_images_unavailable_reason(configured: str | None = None) -> str | None:
         python = vllm_python(configured)
     except RelaxUserError:
         return None
-    probe = subprocess.run(
-        [
-            python,
-            "-c",
-            "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchvision') is None)",
-        ],
-        capture_output=True,
-    )
-    if probe.returncode == 0:
+    if has_package(python, "torchvision"):
         return None
     return (
         f"rollout=vllm with image prompts needs torchvision in vLLM's Python ({python}): {MEDIA_INSTALL_HINT}"
