@@ -2,7 +2,7 @@
 folder (with its tokenizer and model) for everyone, and the quick tier (``--quick``, ``tests/tiers.py``).
 
 Area-specific fixtures live in ``tests/<area>/conftest.py``; keep this file small. Tiny-model dimensions are
-in ``tests/tiny_dims.py``.
+in ``tests/tiny_dims.py``; a test that runs ``python -m relax_launch`` does it through ``tests/launching.py``.
 """
 
 from __future__ import annotations

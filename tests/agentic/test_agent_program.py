@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import launching
 import pytest
 
 from relax_core.agentic.programs import mask_runs
@@ -23,11 +24,10 @@ from relax_core.agentic.warmstart import demo_samples
 from relax_core.config import AgentProgramConfig, DataConfig, RelaxConfig
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord
-from tests.agentic.test_agentic_launch import ENV, ROOT
 
-AGENT = ROOT / "examples" / "agents" / "calc_agent.py"
-TOOLS_AGENT = ROOT / "examples" / "agents" / "calc_tools_agent.py"
-FAULTY = ROOT / "tests" / "agentic" / "faulty_agent.py"
+AGENT = launching.REPO / "examples" / "agents" / "calc_agent.py"
+TOOLS_AGENT = launching.REPO / "examples" / "agents" / "calc_tools_agent.py"
+FAULTY = launching.REPO / "tests" / "agentic" / "faulty_agent.py"
 # what agent_tools_calc's RL must add to greedy accuracy on held-out questions: half the smallest gain of 5
 # runs measured before the run was deterministic (0.50 to 0.81). The sampled train reward is too noisy over 40
 # steps to gate on. Some runs never learn the choice: the warm-started policy samples mul on a * question
@@ -111,28 +111,14 @@ def test_function_calling_demos_teach_the_protocol_but_not_which_function_fits(t
 
 
 def launch(tmp_path: Path, program: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "relax_launch",
-            f"hydra.run.dir={tmp_path}",
-            "logger=jsonl",
-            f"rollout.agent.command=[{sys.executable},{program}]",
-            *SHORT,
-            *overrides,
-        ],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    command = f"rollout.agent.command=[{sys.executable},{program}]"
+    return launching.launch(
+        tmp_path, "logger=jsonl", command, *SHORT, *overrides, cwd=tmp_path, timeout=600, check=False
     )
 
 
 def metric_rows(tmp_path: Path) -> list[dict]:
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("step", 0) >= 1 and "reward/mean" in r]
+    return [r for r in launching.read_metrics(tmp_path) if r.get("step", 0) >= 1 and "reward/mean" in r]
 
 
 @pytest.mark.slow
@@ -144,7 +130,7 @@ def test_example_agent_program_trains_with_masked_trajectories(tmp_path):
         "rollout.agent.save_trajectories=true",
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = launching.read_summary(tmp_path)
     rows = metric_rows(tmp_path)
     assert summary["status"] == "finished" and len(rows) == 3
     assert all(r["agent/failed_sessions"] == 0 and r["optimizer_steps"] == 1 for r in rows), rows
@@ -211,28 +197,19 @@ def test_function_calling_agent_learns_which_function_fits_under_rl(tmp_path):
 
 def _train_calc_tools(run_dir: Path) -> dict:
     """One ``experiment=agent_tools_calc`` run in ``run_dir``; its summary, after the checks every run passes."""
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "relax_launch",
-            f"hydra.run.dir={run_dir}",
-            "logger=jsonl",
-            "experiment=agent_tools_calc",
-            f"seed={SEED}",
-            f"rollout.agent.command=[{sys.executable},{TOOLS_AGENT}]",
-            "+rollout.agent.env.RELAX_AGENT_STREAM='1'",
-            "rollout.agent.save_trajectories=true",
-            "trainer.eval_every=0",
-        ],
+    launching.launch(
+        run_dir,
+        "logger=jsonl",
+        "experiment=agent_tools_calc",
+        f"seed={SEED}",
+        f"rollout.agent.command=[{sys.executable},{TOOLS_AGENT}]",
+        "+rollout.agent.env.RELAX_AGENT_STREAM='1'",
+        "rollout.agent.save_trajectories=true",
+        "trainer.eval_every=0",
         cwd=run_dir,
-        env=ENV,
-        capture_output=True,
-        text=True,
         timeout=1800,
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = launching.read_summary(run_dir)
     rows = metric_rows(run_dir)
     assert all(r["agent/failed_sessions"] == 0 for r in rows), rows
     assert summary["eval_accuracy_untrained"] == 0.0, summary

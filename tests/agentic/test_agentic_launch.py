@@ -7,37 +7,15 @@ whose environment raises or hangs for some episodes finishes on Ray, with those 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import launching
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {
-    **os.environ,
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "RAY_DEDUP_LOGS": "1",
-    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-}
 
 
 def launch(tmp_path: Path, *overrides: str, timeout: int = 900) -> tuple[dict, list[dict]]:
-    result = subprocess.run(
-        [sys.executable, "-m", "relax_launch", f"hydra.run.dir={tmp_path}", "logger=jsonl", *overrides],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line]
-    return summary, rows
+    launching.launch(tmp_path, "logger=jsonl", *overrides, cwd=tmp_path, timeout=timeout)
+    return launching.read_summary(tmp_path), launching.read_metrics(tmp_path)
 
 
 def mean(rows: list[dict], key: str) -> float:

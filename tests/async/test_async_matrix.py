@@ -6,11 +6,10 @@ Megatron's tensor-parallel ranks in async, against colocate's steps: tests/megat
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+import launching
 import pytest
 import torch
 
@@ -24,7 +23,6 @@ from tests.core.conftest import compose_config
 from tests.megatron.conftest import megatron_world  # noqa: F401  (fixture)
 
 AGENT = Path(__file__).resolve().parents[2] / "examples" / "agents" / "calc_agent.py"
-ENV = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1"}
 SMALL = [
     "mode=async",
     "trainer.total_steps=3",
@@ -56,12 +54,9 @@ COMBINATIONS = {
 
 
 def launch(out: Path, overrides: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "relax_launch", *SMALL, *overrides, f"hydra.run.dir={out}"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if r.get("step", 0) > 0 and "reward/mean" in r]
+    launching.launch(out, *SMALL, *overrides, env=launching.RAY_NO_AUTH, timeout=600)
+    assert launching.read_summary(out)["status"] == "finished"
+    steps = [r for r in launching.read_metrics(out) if r.get("step", 0) > 0 and "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     return steps
 

@@ -6,11 +6,9 @@ It must learn (reward and held-out accuracy go up) and leave every promised arte
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import launching
 import pytest
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
@@ -23,15 +21,7 @@ STEP_KEYS = {"step", "reward/mean", "reward/std", "loss", "kl", "entropy", "toke
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("default_run") / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RAY_ADDRESS")}
-    result = subprocess.run(
-        [sys.executable, "-m", "relax_launch", f"hydra.run.dir={out}"],
-        cwd=out.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
+    result = launching.launch(out, timeout=3600, check=False)
     (out.parent / "stdout.log").write_text(result.stdout)
     (out.parent / "stderr.log").write_text(result.stderr)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]

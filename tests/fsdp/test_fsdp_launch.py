@@ -4,13 +4,11 @@ Two ranks taking the one-rank run's steps and resuming from their shards: tests/
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launching import RAY_NO_AUTH, launch, read_metrics, read_summary
 
 from relax_core.errors import RelaxUserError
 
@@ -23,19 +21,12 @@ RANK_FILES = ["fsdp_rank00000.pt", "fsdp_rank00001.pt"]  # what each sharded rol
 
 
 def _launch(run_dir: Path, overrides: list[str]) -> dict:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    command = [sys.executable, "-m", "relax_launch", *overrides, f"hydra.run.dir={run_dir}"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    launch(run_dir, *overrides, env=RAY_NO_AUTH)
+    return read_summary(run_dir)
 
 
 def _rewards(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["reward/mean"] for r in _metrics(run_dir) if "reward/mean" in r}
+    return {r["step"]: r["reward/mean"] for r in read_metrics(run_dir) if "reward/mean" in r}
 
 
 # PPO with a KL loss: a Critic and a Reference next to the Actor, 3 steps (the policy waits for the critic
@@ -71,7 +62,7 @@ def test_ppo_kl_run_shards_the_reference_and_critic_next_to_the_actor_ranks(ppo_
     for role in ("critic", "reference"):  # one shard file per rank: both roles ran as 2 FSDP ranks
         saved = run / "checkpoints" / "step_000003" / role
         assert sorted(p.name for p in saved.glob("fsdp_rank*.pt")) == RANK_FILES
-    rows = [r for r in _metrics(run) if "reward/mean" in r]
+    rows = [r for r in read_metrics(run) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["critic/vf_loss"] > 0 for r in rows)  # the sharded Critic fits every step
     assert rows[0]["critic/values_mean"] == 0.0 != rows[-1]["critic/values_mean"]  # zero head, then fitted
@@ -88,7 +79,7 @@ def test_distillation_run_shards_the_teacher_next_to_the_actor_ranks(tmp_path: P
     summary = _launch(run, [*TINY_FSDP_RUN, "algorithm=opd", *teacher, "trainer.total_steps=2"])
     assert summary["status"] == "finished"
     assert "FSDP-sharded helpers: teacher" in (run / "cli.log").read_text()
-    assert [r["step"] for r in _metrics(run) if "reward/mean" in r] == [1, 2]
+    assert [r["step"] for r in read_metrics(run) if "reward/mean" in r] == [1, 2]
 
 
 @pytest.mark.slow
@@ -103,8 +94,8 @@ def test_async_fsdp_ppo_kl_at_staleness_zero_takes_the_colocate_steps(ppo_kl: Pa
     for role in ("actor", "critic", "reference"):
         saved = run / "checkpoints" / "step_000003" / role
         assert sorted(p.name for p in saved.glob("fsdp_rank*.pt")) == RANK_FILES
-    steps = [r for r in _metrics(run) if "reward/mean" in r]
-    colocate = {r["step"]: r for r in _metrics(ppo_kl) if "reward/mean" in r}
+    steps = [r for r in read_metrics(run) if "reward/mean" in r]
+    colocate = {r["step"]: r for r in read_metrics(ppo_kl) if "reward/mean" in r}
     assert [r["step"] for r in steps] == [1, 2, 3]
     for row in steps:
         same = colocate[row["step"]]

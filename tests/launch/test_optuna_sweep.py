@@ -5,9 +5,9 @@ points land in one MLflow parent run and one W&B group (offline)."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
+import launching
 import pytest
 import yaml
 from wandb_reader import wandb_records
@@ -54,8 +54,11 @@ def test_sweep_objective_reads_summary_keys_then_step_metrics(tmp_path: Path) ->
 @pytest.mark.slow
 def test_optuna_search_survives_a_failed_point(tmp_path: Path, relax_launch_cmd: list[str]) -> None:
     sweep_dir = tmp_path / "sweep"
-    cmd = [
-        *relax_launch_cmd,
+    # W&B offline and never logged in, whatever the caller's environment
+    env = {k: None for k in os.environ if k.startswith("WANDB_")}
+    env |= {"NETRC": str(tmp_path / "no.netrc"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb_home")}
+    launching.launch(
+        None,
         "-m",
         f"hydra.sweep.dir={sweep_dir}",
         "hydra/sweeper=optuna",
@@ -67,11 +70,11 @@ def test_optuna_search_survives_a_failed_point(tmp_path: Path, relax_launch_cmd:
         "logger=mlflow",
         "logger.wandb=true",
         *TINY,
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env |= {"NETRC": str(tmp_path / "no.netrc"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb_home")}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+        command=relax_launch_cmd,
+    )
 
     points = {}
     for point in sorted(p for p in sweep_dir.iterdir() if p.name.isdigit()):

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import subprocess
 from pathlib import Path
 from typing import Any
 
+import launching
 import pytest
 
 from relax_core.backends.schedule import lr_multiplier
@@ -128,12 +128,8 @@ def test_validation_accepts_tensor_parallel_and_returns_the_world() -> None:
 def test_cli_reports_one_line_before_ray_starts(
     tmp_path: Path, overrides: list[str], message: str, relax_launch_cmd: list[str]
 ) -> None:
-    proc = subprocess.run(
-        [*relax_launch_cmd, *overrides, f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
+    proc = launching.launch(
+        tmp_path, *overrides, cwd=tmp_path, timeout=300, check=False, command=relax_launch_cmd
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]

@@ -3,11 +3,9 @@ Ray starts, the GPU recipes compose and require model.path, and the tiny vision/
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
+import launching
 import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
@@ -20,26 +18,12 @@ from relax_models.families import FAMILIES, get_family
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 MODALITY_OPTIONS = sorted(p.stem for p in (CONF / "modality").glob("*.yaml"))
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "RAY_DEDUP_LOGS": "1"}
 
 
 def _compose(overrides: list[str]) -> RelaxConfig:
     with initialize_config_module("relax_launch.conf", version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     return OmegaConf.to_object(cfg)
-
-
-def _launch(
-    relax_launch: list[str], args: list[str], cwd: Path, timeout: int = 120
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*relax_launch, *args],
-        cwd=cwd,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def test_model_configs_match_their_families() -> None:
@@ -82,8 +66,10 @@ def test_validation_checks_modality_against_family(model: str, modality: str, ok
 def test_launcher_refuses_a_modality_the_family_cannot_take(
     tmp_path: Path, relax_launch_cmd: list[str]
 ) -> None:
-    args = ["model=tiny_qwen3_vl", "modality=audio", f"hydra.run.dir={tmp_path}"]
-    result = _launch(relax_launch_cmd, args, tmp_path)
+    args = ["model=tiny_qwen3_vl", "modality=audio"]
+    result = launching.launch(
+        tmp_path, *args, cwd=tmp_path, timeout=120, check=False, command=relax_launch_cmd
+    )
     assert result.returncode == 2
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert lines == [
@@ -161,7 +147,8 @@ def test_recipes_compose_fill_their_gpus_and_require_model_path(recipe: str) -> 
 
 
 def test_recipe_prints_with_cfg_job(tmp_path: Path, relax_launch_cmd: list[str]) -> None:
-    result = _launch(relax_launch_cmd, ["experiment=avqa_qwen3_omni_30b", "--cfg", "job"], tmp_path)
+    args = ["experiment=avqa_qwen3_omni_30b", "--cfg", "job"]
+    result = launching.launch(None, *args, cwd=tmp_path, timeout=120, check=False, command=relax_launch_cmd)
     assert result.returncode == 0, result.stderr
     printed = OmegaConf.create(result.stdout)
     assert printed.model.name == "qwen3_omni_30b_a3b" and printed.cluster.nodes == 2
@@ -169,14 +156,9 @@ def test_recipe_prints_with_cfg_job(tmp_path: Path, relax_launch_cmd: list[str])
 
 
 def _run_experiment(relax_launch: list[str], experiment: str, tmp_path: Path) -> dict:
-    result = _launch(
-        relax_launch,
-        [f"experiment={experiment}", f"hydra.run.dir={tmp_path}", "cluster.num_cpus=4"],
-        tmp_path,
-        900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    args = [f"experiment={experiment}", "cluster.num_cpus=4"]
+    launching.launch(tmp_path, *args, cwd=tmp_path, timeout=900, command=relax_launch)
+    summary = launching.read_summary(tmp_path)
     assert summary["status"] == "finished"
     return summary
 

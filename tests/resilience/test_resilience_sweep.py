@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import launching
 import pytest
 from resilience_helpers import TINY_RUN, read_metrics
 
@@ -15,10 +13,8 @@ pytestmark = pytest.mark.slow
 
 def test_local_sweep_nests_point_runs_under_one_parent(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
-    cmd = [
-        sys.executable,
-        "-m",
-        "relax_launch",
+    launching.launch(
+        None,
         "-m",
         f"hydra.sweep.dir={sweep_dir}",
         *[o for o in TINY_RUN if not o.startswith("logger=")],
@@ -26,10 +22,10 @@ def test_local_sweep_nests_point_runs_under_one_parent(tmp_path: Path) -> None:
         "trainer.sft_warmup_steps=0",
         "trainer.total_steps=1",
         "seed=1,2",
-    ]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        env=launching.RAY_NO_AUTH,
+        cwd=tmp_path,
+        timeout=900,
+    )
 
     from mlflow.tracking import MlflowClient
 
