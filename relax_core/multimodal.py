@@ -185,32 +185,14 @@ def multimodal_model_inputs(
     return input_ids, kwargs
 
 
-# the media kinds each rollout engine takes (vLLM: images, sent as PNGs; SGLang: token ids only)
-ENGINE_MEDIA = {"torch": set(MEDIA_KINDS), "vllm": {"image"}}
-
-
 def check_engine_takes_media(cfg: RelaxConfig) -> None:
-    """The rollout engine takes the run's media kinds; the memory doctor asks too, before it sizes the run."""
-    engine = cfg.rollout.engine
+    """The rollout engine takes the run's media kinds (each engine class says which); the memory doctor asks
+    too, before it sizes the run."""
     media = [kind for kind, column in cfg.modality.keys.items() if column is not None]
-    refused = [kind for kind in media if kind not in ENGINE_MEDIA.get(engine, set())]
-    if refused and engine == "vllm":
-        raise RelaxUserError(
-            f"rollout=vllm cannot take {'/'.join(refused)} inputs yet (Relax sends vLLM images only): set "
-            f"modality.keys.{refused[0]}=null or use rollout=torch"
-        )
-    if not refused and engine == "vllm" and "image" in media:
-        from relax_core.engines.vllm import vllm_images_unavailable_reason
+    if media:
+        from relax_core.engines import ENGINES
 
-        reason = vllm_images_unavailable_reason(cfg.rollout.vllm_python)
-        if reason:
-            raise RelaxUserError(reason)
-    if refused:
-        raise RelaxUserError(
-            f"rollout={engine} cannot take {'/'.join(media)} inputs yet (its HTTP client sends token "
-            f"ids only, so the engine would never see the media of modality={cfg.modality.name}): use "
-            "rollout=torch"
-        )
+        ENGINES.load(cfg.rollout.engine).check_media(media, cfg.rollout, cfg.modality.name)
 
 
 def validate_model_and_modality(cfg: RelaxConfig) -> None:

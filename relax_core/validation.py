@@ -120,9 +120,11 @@ def validate(cfg: RelaxConfig) -> None:
 
     validate_model_and_modality(cfg)
     if t.lora.rank:
-        from relax_models.lora import check_lora_config
+        from relax_core.engines import ENGINES
+        from relax_models.lora import check_engine_sync, check_lora_config
 
         check_lora_config(t.lora, t.backend, t.fsdp)
+        check_engine_sync(t.lora, ENGINES.load(cfg.rollout.engine).max_lora_rank)
     for key, value in {
         "rollout.batch_size": r.batch_size,
         "rollout.n_samples_per_prompt": r.n_samples_per_prompt,

@@ -7,6 +7,13 @@ Names: an adapted layer's base weight becomes ``<m>.base_layer.weight`` and its 
 ``<m>.lora_A.default.weight`` / ``<m>.lora_B.default.weight``. Engines and ``final_model`` get the HF names back
 (:func:`merged_weights`); adapters are saved in peft's own format (:func:`save_adapter`), which
 ``PeftModel.from_pretrained(base, path)`` loads.
+
+Adapter sync (``trainer.lora.engine_sync=adapter``, engines that serve LoRA themselves: vLLM): a published
+version is an *adapter payload* (:func:`adapter_payload`): the frozen base under the HF names, the adapters under
+the names of peft's saved file, and two scalars, the base's version (it changes only when the base does: the
+full-model warm-start, a checkpoint load) and ``alpha / rank``. Its layout is the same for every version, so
+every weight-transfer channel carries it as it is; an adapter engine pushes the base into its server only when
+the base version moved and the adapters every time, and every other receiver merges it (:func:`merged_payload`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ ADAPTER = "default"  # peft's adapter name; saved files leave it out
 # what PeftModel.save_pretrained puts before the HF names (its base_model.model wrapper)
 PEFT_PREFIX = "base_model.model."
 ADAPTER_NAMES = ("lora_A", "lora_B")
+# the scalars of an adapter payload
+BASE_VERSION_KEY = "relax.lora.base_version"
+SCALE_KEY = "relax.lora.scale"
 _PEFT_KEY = re.compile(r"^(?P<module>.+)\.(?:base_layer\.(?P<leaf>.+)|(?P<factor>lora_[AB])\.[^.]+\.weight)$")
 
 
@@ -206,3 +216,112 @@ def check_lora_config(lora: Any, backend: str, fsdp: bool = False) -> None:
         raise RelaxUserError(f"trainer.lora.dropout must be in [0, 1), got {lora.dropout}")
     if not lora.target_modules:
         raise RelaxUserError("trainer.lora.target_modules is empty: name the layers to adapt (e.g. q_proj)")
+
+
+def saved_adapter_name(name: str) -> str:
+    """A state-dict adapter key as peft's saved file names it:
+    ``<m>.lora_A.default.weight`` -> ``base_model.model.<m>.lora_A.weight``."""
+    return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
+
+
+def adapter_payload(
+    named: Iterable[tuple[str, torch.Tensor]], scales: dict[str, float], base_version: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An adapted model's state dict as an adapter payload (see the module docstring): the base under the HF
+    names, the adapters under peft's saved names, then the base version and the scale."""
+    values = set(scales.values())
+    if len(values) != 1:
+        raise ValueError(f"adapter sync needs one alpha / rank for every adapted layer, got {sorted(values)}")
+    for name, tensor in named:
+        match = _PEFT_KEY.match(name)
+        if match and match["module"] in scales:
+            if match["factor"]:
+                yield saved_adapter_name(name), tensor
+            else:
+                yield f"{match['module']}.{match['leaf']}", tensor
+        else:
+            yield name, tensor
+    yield BASE_VERSION_KEY, torch.tensor(base_version, dtype=torch.int64)
+    yield SCALE_KEY, torch.tensor(values.pop(), dtype=torch.float64)
+
+
+def is_adapter_payload(state_dict: dict[str, torch.Tensor]) -> bool:
+    return BASE_VERSION_KEY in state_dict
+
+
+def split_payload(
+    state_dict: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int, float]:
+    """(base weights under the HF names, adapters under peft's saved names, base version, scale)."""
+    base, adapters = {}, {}
+    for name, tensor in state_dict.items():
+        if name in (BASE_VERSION_KEY, SCALE_KEY):
+            continue
+        (adapters if name.startswith(PEFT_PREFIX) and is_adapter(name) else base)[name] = tensor
+    return base, adapters, int(state_dict[BASE_VERSION_KEY]), float(state_dict[SCALE_KEY])
+
+
+def merged_payload(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The merged weights of an adapter payload (any other state dict as it is): what a receiver that cannot
+    apply adapters loads, ``W + scale · B A`` computed in fp32, in ``W``'s dtype."""
+    if not is_adapter_payload(state_dict):
+        return state_dict
+    base, adapters, _, scale = split_payload(state_dict)
+    out = dict(base)
+    for name, a in adapters.items():
+        if ".lora_A." not in name:
+            continue
+        module = name.removeprefix(PEFT_PREFIX).rsplit(".lora_A.", 1)[0]
+        b = adapters[name.replace(".lora_A.", ".lora_B.")]
+        w = base[f"{module}.weight"]
+        out[f"{module}.weight"] = (w.float() + (b.float() @ a.float()) * scale).to(w.dtype)
+    return out
+
+
+def adapter_folder(
+    path: str | Path, adapters: dict[str, torch.Tensor], scale: float, base_model: str | None = None
+) -> int:
+    """Write a payload's adapters (peft's saved names) as a folder peft and vLLM load
+    (``adapter_config.json`` + ``adapter_model.safetensors``); returns the adapters' bytes."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rank = next(t.shape[0] for n, t in adapters.items() if ".lora_A." in n)
+    modules = sorted(
+        {n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in adapters}
+    )
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": scale * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": modules,
+        "base_model_name_or_path": base_model,
+        "task_type": "CAUSAL_LM",
+        "use_rslora": False,
+        "use_dora": False,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    tensors = {k: v.detach().contiguous() for k, v in adapters.items()}
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return adapter_bytes(tensors)
+
+
+def adapter_bytes(adapters: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in adapters.values())
+
+
+def check_engine_sync(lora: Any, max_rank: int | None) -> None:
+    """One line when ``trainer.lora.engine_sync`` cannot work; ``max_rank``: the largest LoRA rank the rollout
+    engine serves (None: it serves no adapters and takes merged weights whatever the setting)."""
+    if lora.engine_sync not in ("merged", "adapter"):
+        raise RelaxUserError(f"trainer.lora.engine_sync must be merged or adapter, got {lora.engine_sync!r}")
+    if lora.engine_sync == "adapter" and max_rank is not None and lora.rank > max_rank:
+        raise RelaxUserError(
+            f"trainer.lora.engine_sync=adapter: the rollout engine serves LoRA ranks up to {max_rank}, and "
+            f"trainer.lora.rank={lora.rank}: set trainer.lora.engine_sync=merged (or a smaller rank)"
+        )

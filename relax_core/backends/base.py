@@ -239,6 +239,11 @@ class TrainingBackend(abc.ABC):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Policy weights in HF parameter names (what rollout engines load)."""
 
+    def publish_weights(self) -> dict[str, torch.Tensor]:
+        """What a published version of the policy carries (the weight transfer's payload): :meth:`state_dict`;
+        LoRA with adapter sync: an adapter payload (``relax_models.lora.adapter_payload``)."""
+        return self.state_dict()
+
     def iter_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """Full (gathered) weights in HF names, in buckets of at most ``bucket_bytes`` (a larger tensor
         travels alone). Collective for sharded backends: every rank iterates in step. This default slices

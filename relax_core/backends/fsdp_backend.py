@@ -48,7 +48,7 @@ from relax_core.backends.torch_backend import TorchBackend, rng_state, set_rng_s
 from relax_core.placement import join_rendezvous
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_tokenizer
-from relax_models.lora import is_adapter, merged_weights, peft_names, zero_adapters
+from relax_models.lora import is_adapter, merged_payload, merged_weights, peft_names, zero_adapters
 from relax_models.megatron.cpu_shim import init_process_group
 from relax_models.weight_buckets import bucket_by_bytes
 
@@ -183,11 +183,20 @@ class FSDPBackend(TorchBackend):
         """Every weight gathered (collective); what rollout engines load."""
         return {name: tensor for bucket in self.iter_weights(64 << 20) for name, tensor in bucket.items()}
 
+    def publish_weights(self) -> dict[str, torch.Tensor]:
+        """LoRA adapter sync: the adapter payload, gathered (collective); else :meth:`state_dict`."""
+        if not (self.lora and self.engine_adapters):
+            return self.state_dict()
+        return dict(
+            self._adapter_payload((n, _gather(t, torch.float32)) for n, t in self.model.state_dict().items())
+        )
+
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Full HF-named weights; each rank keeps its shard."""
+        """Full HF-named weights (an adapter payload merged first); each rank keeps its shard."""
+        self.base_version += 1
         set_model_state_dict(
             self.model,
-            peft_names(state_dict, self.lora_scales),
+            peft_names(merged_payload(state_dict), self.lora_scales),
             options=StateDictOptions(full_state_dict=True, strict=False),
         )
         zero_adapters(self.model)

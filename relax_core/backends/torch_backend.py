@@ -6,7 +6,7 @@ import contextlib
 import copy
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,11 +35,13 @@ from relax_core.samples import TrainBatch
 from relax_models.errors import RelaxUserError
 from relax_models.loader import DTYPES, load_causal_lm, load_tokenizer
 from relax_models.lora import (
+    adapter_payload,
     apply_lora,
     base_weights,
     is_adapter,
     load_adapter,
     lora_scales,
+    merged_payload,
     merged_weights,
     peft_names,
     save_adapter,
@@ -113,6 +115,10 @@ class TorchBackend(TrainingBackend):
         self.lora_scales = lora_scales(self.model)
         # LoRA with full_warm_start: the base was trained by the warm-start, so checkpoints must keep it
         self.base_trained = False
+        # LoRA adapter sync (set by the Actor, relax_core.engines.adapter_sync_rank): published versions are
+        # adapter payloads; base_version moves whenever the base may have changed, so engines reload it then
+        self.engine_adapters = False
+        self.base_version = 0
         if trainable and model_cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
             if self.lora:  # frozen embeddings: checkpointed blocks need an input that requires grad
@@ -154,6 +160,7 @@ class TorchBackend(TrainingBackend):
         nothing meanwhile), the adapters alone after it."""
         if not (self.lora and self.lora.full_warm_start):
             return
+        self.base_version += 1
         self.model.zero_grad(set_to_none=True)  # a frozen parameter's last gradient would enter clipping
         for name, p in self.model.named_parameters():
             p.requires_grad_(is_adapter(name) != active)
@@ -318,6 +325,21 @@ class TorchBackend(TrainingBackend):
             weights = merged_weights(weights, self.lora_scales)
         return {k: self._out(v) for k, v in weights}
 
+    def publish_weights(self) -> dict[str, torch.Tensor]:
+        """:meth:`state_dict`, or with LoRA adapter sync the adapter payload: the base and the adapters
+        unmerged, in ``model.dtype``, with the base's version and alpha / rank."""
+        if not (self.lora and self.engine_adapters):
+            return self.state_dict()
+        return dict(self._adapter_payload(self.model.state_dict().items()))
+
+    def _adapter_payload(
+        self, named: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if any(p.requires_grad for n, p in self.model.named_parameters() if not is_adapter(n)):
+            self.base_version += 1  # the base trains (a full warm-start): each version may carry a new one
+        weights = ((k, self._out(v)) for k, v in named)
+        return adapter_payload(weights, self.lora_scales, self.base_version)
+
     def _out(self, tensor: torch.Tensor) -> torch.Tensor:
         """A CPU copy of ``tensor``, in ``model.dtype`` if it is floating point."""
         dtype = self.compute_dtype if tensor.is_floating_point() else tensor.dtype
@@ -325,7 +347,9 @@ class TorchBackend(TrainingBackend):
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """LoRA: the weights become the base and the adapters add nothing, so the model computes exactly
-        ``state_dict`` (ActorFwd follows the policy's merged weights)."""
+        ``state_dict`` (ActorFwd follows the policy's merged weights; an adapter payload is merged first)."""
+        state_dict = merged_payload(state_dict)
+        self.base_version += 1
         self.model.load_state_dict(peft_names(state_dict, self.lora_scales), strict=False)
         zero_adapters(self.model)
 
@@ -367,6 +391,7 @@ class TorchBackend(TrainingBackend):
                 "resume with the trainer.lora settings the checkpoint was saved with"
             )
         self.base_trained = state.get("base_trained", False)
+        self.base_version += 1
         if not self.lora or self.base_trained:
             self.model.load_state_dict(state["model"])
         if self.lora:

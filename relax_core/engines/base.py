@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -31,6 +31,8 @@ class EngineSetup:
     model: ModelConfig | None = None  # the policy's dtype and attention (the torch engine loads it itself)
     tokenizer: Any = None  # the policy's; the torch engine stops on its eos and pads with its pad token
     record_routing: bool = False  # algorithm.routing_replay: results carry MoE routing (torch engine)
+    # the policy's LoRA rank when its versions arrive as adapter payloads (relax_models.lora); 0: merged weights
+    lora_rank: int = 0
 
     def rollout_config(self) -> RolloutConfig:
         from relax_core.config import RolloutConfig
@@ -83,6 +85,24 @@ class RolloutEngine(abc.ABC):
     """Generates continuations; ``generate`` returns ``n`` results per request, request-major."""
 
     weight_version: int = 0
+    # the largest LoRA rank the engine serves itself, taking a LoRA policy's versions as adapter payloads
+    # (relax_models.lora.adapter_payload: the base only when it changed, then the adapters); None: it takes
+    # merged weights only (the Rollout merges a payload for it)
+    max_lora_rank: ClassVar[int | None] = None
+    # whether weight updates cross into another process (an engine server); such an engine fills sync_stats,
+    # what its newest update moved: weight_sync/bytes, weight_sync/seconds, weight_sync/adapter_only
+    copies_weights: ClassVar[bool] = False
+    sync_stats: dict[str, float] = {}  # noqa: RUF012 (replaced, never mutated)
+
+    @classmethod
+    def check_media(cls, media: list[str], rollout: RolloutConfig, modality: str) -> None:
+        """Refuses, in one line, a run whose prompts carry ``media`` kinds this engine would never see (the
+        launcher and the memory doctor ask before anything starts). The base: token ids only."""
+        if media:
+            raise RelaxUserError(
+                f"rollout={rollout.engine} cannot take {'/'.join(media)} inputs yet (its HTTP client sends token "
+                f"ids only, so the engine would never see the media of modality={modality}): use rollout=torch"
+            )
 
     @abc.abstractmethod
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:

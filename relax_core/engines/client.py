@@ -9,6 +9,7 @@ sent concurrently so the server batches them. Weights reach the server through o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -40,6 +41,8 @@ def parse_weight_version(value: Any, fallback: int) -> int:
 
 class HttpEngine(RolloutEngine):
     """Client of one engine server at ``url`` (``http://host:port``)."""
+
+    copies_weights = True
 
     def __init__(
         self,
@@ -124,11 +127,17 @@ class HttpEngine(RolloutEngine):
         self.weight_version = version
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        t = time.perf_counter()
         with self._naming_server():
             if self.push is None:
                 self.push = server_push(self.weight_transfer, self._post, self.server_side)
             self.push.push(state_dict, version)
         self.weight_version = version
+        self.sync_stats = {
+            "weight_sync/bytes": float(sum(v.numel() * v.element_size() for v in state_dict.values())),
+            "weight_sync/seconds": time.perf_counter() - t,
+            "weight_sync/adapter_only": 0.0,
+        }
 
     @contextmanager
     def _naming_server(self) -> Iterator[None]:

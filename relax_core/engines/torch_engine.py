@@ -35,7 +35,7 @@ import threading
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from relax_core.engines.base import (
     engine_dtype,
 )
 from relax_core.errors import RelaxUserError
+
+if TYPE_CHECKING:
+    from relax_core.config import RolloutConfig
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -262,6 +265,10 @@ class _SlotState:
 
 class TorchEngine(RolloutEngine):
     """Batched sampling with a slot KV cache and continuous batching (see the module docstring)."""
+
+    @classmethod
+    def check_media(cls, media: list[str], rollout: RolloutConfig, modality: str) -> None:
+        """Every kind: the processor's tensors go into the model as they go into the trainer's."""
 
     @classmethod
     def from_config(cls, setup: EngineSetup) -> TorchEngine:

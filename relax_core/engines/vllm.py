@@ -18,12 +18,16 @@ from __future__ import annotations
 import base64
 import importlib.util
 import io
+import itertools
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -41,9 +45,11 @@ from relax_core.engines.server_process import (
     has_package,
     python_with,
 )
+from relax_core.engines.vllm_server import LORAS_KEPT
 from relax_core.errors import RelaxUserError
-from relax_core.weight_transfer.server_push import SERVER_PUSHES
+from relax_core.weight_transfer.server_push import SERVER_PUSHES, check_reply
 from relax_models.expert_names import unfuse_experts
+from relax_models.lora import adapter_folder, is_adapter_payload, split_payload
 from relax_models.ports import free_port
 
 log = logging.getLogger("relax")
@@ -217,8 +223,27 @@ def png_data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+# the ranks vLLM's --max-lora-rank takes
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for adapters of ``rank``: the smallest it takes that holds them."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
 class VLLMEngine(ServerEngine):
-    """A vLLM server subprocess (see the module docstring) driven through the SGLang-compatible client."""
+    """A vLLM server subprocess (see the module docstring) driven through the SGLang-compatible client.
+
+    LoRA adapter sync (``lora_rank`` > 0, ``trainer.lora.engine_sync=adapter``): the server runs with vLLM's
+    LoRA support (``--max-lora-rank``) and versions arrive as adapter payloads (``relax_models.lora``). The
+    base goes in as any update does (the weight push) when the payload's base version differs from the one the
+    server holds: the first version, and after a full-model warm-start or a checkpoint load; the adapters go
+    every version as a peft folder (in /dev/shm where there is one) that the server loads as a new
+    ``LoRARequest`` (a new int id per version; generation uses the newest, the one before the previous is
+    removed)."""
+
+    max_lora_rank: ClassVar[int | None] = VLLM_LORA_RANKS[-1]
 
     def __init__(
         self,
@@ -236,6 +261,7 @@ class VLLMEngine(ServerEngine):
         startup_timeout_s: float = 600.0,
         enforce_eager: bool | None = None,
         sleep_mode: bool = False,
+        lora_rank: int = 0,
     ) -> None:
         """``sleep_mode`` (``rollout.release_memory_during_train``): the server can sleep (level 1: weights to
         host memory, KV cache discarded) while the trainer steps; vLLM has sleep mode on GPUs only."""
@@ -266,7 +292,13 @@ class VLLMEngine(ServerEngine):
             logprobs=logprobs,
             sleep_mode=sleep_mode,
             enforce_eager=enforce_eager,
+            max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank else 0,
         )
+        self.lora_rank = lora_rank
+        self.base_version: int | None = None  # the adapter payloads' base version the server holds
+        self.lora_ids = itertools.count(1)
+        self.adapter_dirs: list[Path] = []  # the folders of the adapters the server may still load
+        self._adapter_root: tempfile.TemporaryDirectory | None = None
         server = ServerProcess(command, env=server_env(num_threads), cwd=str(REPO_ROOT))
         super().__init__(
             server, port, model_path, weight_transfer, tensor_parallel_size, "vLLM", startup_timeout_s
@@ -274,8 +306,68 @@ class VLLMEngine(ServerEngine):
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """As :class:`HttpEngine`, with MoE experts under the per-expert checkpoint names every vLLM loader
-        takes (transformers 5 fuses them in memory; the split tensors are views, no copy)."""
-        super().update_weights(dict(unfuse_experts(state_dict)), version)
+        takes (transformers 5 fuses them in memory; the split tensors are views, no copy); an adapter payload
+        as the class docstring says."""
+        if not is_adapter_payload(state_dict):
+            super().update_weights(dict(unfuse_experts(state_dict)), version)
+            self.base_version = None  # merged weights replaced the base an adapter payload brought
+            return
+        t = time.perf_counter()
+        base, adapters, base_version, scale = split_payload(state_dict)
+        sent, base_sent = 0.0, base_version != self.base_version
+        if base_sent:
+            super().update_weights(dict(unfuse_experts(base)), version)
+            sent += self.sync_stats["weight_sync/bytes"]
+            self.base_version = base_version
+        lora_id = next(self.lora_ids)
+        folder = self._adapter_dir() / f"v{version}-{lora_id}"
+        sent += adapter_folder(folder, adapters, scale, self.model_path)
+        body = {"lora_name": folder.name, "lora_int_id": lora_id, "lora_path": str(folder)}
+        with self._naming_server():
+            check_reply(
+                self._post("/load_lora_adapter", body | {"weight_version": str(version)}), "load_lora"
+            )
+        self.adapter_dirs.append(folder)
+        while len(self.adapter_dirs) > LORAS_KEPT:  # the server removed that adapter
+            shutil.rmtree(self.adapter_dirs.pop(0), ignore_errors=True)
+        self.weight_version = version
+        self.sync_stats = {
+            "weight_sync/bytes": sent,
+            "weight_sync/seconds": time.perf_counter() - t,
+            "weight_sync/adapter_only": float(not base_sent),
+        }
+
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        super().update_weights_from_disk(path, version)
+        self.base_version = None  # a merged folder: the next adapter payload brings its base again
+
+    def _adapter_dir(self) -> Path:
+        if self._adapter_root is None:
+            shm = Path("/dev/shm")
+            root = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+            self._adapter_root = tempfile.TemporaryDirectory(prefix="relax-lora-", dir=root)
+        return Path(self._adapter_root.name)
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            if self._adapter_root is not None:
+                self._adapter_root.cleanup()
+
+    @classmethod
+    def check_media(cls, media: list[str], rollout: RolloutConfig, modality: str) -> None:
+        """Images only (sent as PNGs), and only from a vLLM Python with torchvision (its Qwen3-VL code
+        imports it)."""
+        refused = [kind for kind in media if kind != "image"]
+        if refused:
+            raise RelaxUserError(
+                f"rollout=vllm cannot take {'/'.join(refused)} inputs yet (Relax sends vLLM images only): set "
+                f"modality.keys.{refused[0]}=null or use rollout=torch"
+            )
+        reason = vllm_images_unavailable_reason(rollout.vllm_python)
+        if reason:
+            raise RelaxUserError(reason)
 
     def media_fields(self, request: GenerationRequest) -> dict[str, Any]:
         """Images as SGLang's ``image_data`` (PNG data URLs, in placeholder order); other media are refused."""
@@ -322,6 +414,7 @@ class VLLMEngine(ServerEngine):
             weight_transfer=r.server_weight_update,
             num_threads=r.num_threads,
             sleep_mode=r.release_memory_during_train,
+            lora_rank=setup.lora_rank,
         )
 
 
@@ -338,6 +431,7 @@ def server_command(
     logprobs: str = "processed_logprobs",
     sleep_mode: bool = False,
     enforce_eager: bool | None = None,
+    max_lora_rank: int = 0,
 ) -> list[str]:
     """The command line of one ``vllm_server`` (a rollout engine's or a GenRM judge's; run it with
     :func:`server_env` in :data:`REPO_ROOT`)."""
@@ -354,6 +448,8 @@ def server_command(
         command += ["--max-model-len", str(max_model_len)]
     if sleep_mode:
         command.append("--enable-sleep-mode")
+    if max_lora_rank:  # vLLM's LoRA support: adapters load per version (VLLMEngine)
+        command += ["--max-lora-rank", str(max_lora_rank)]
     command += ["--parent-pid", str(os.getpid())]
     # torch.compile takes minutes on a small CPU and buys little there: eager unless on a GPU
     if enforce_eager if enforce_eager is not None else not torch.cuda.is_available():

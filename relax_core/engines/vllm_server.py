@@ -10,6 +10,9 @@ dependencies) and two dependency-free modules of this package, nothing else of R
   samples sharing one prefill, each sampled token with its log-prob (``meta_info.output_token_logprobs``)
   and the decoded ``text``; ``rid`` names it for ``/abort_request``. Token ids may come with images
   (``image_data``: base64 PNGs, one per run of image placeholders; vLLM expands each run again itself).
+- ``POST /load_lora_adapter`` (``lora_name``, ``lora_int_id``, ``lora_path``: a peft folder; with
+  ``--max-lora-rank``): the policy's adapters of a new version, used by later requests; a base update turns
+  them off until the next one.
 - ``POST /abort_request`` (``rid`` or ``abort_all``), ``/pause_generation``, ``/continue_generation``.
 - ``GET /health``, ``GET /get_model_info``, ``POST /flush_cache``.
 - ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` (SGLang's names): vLLM's ``sleep(level=1)``
@@ -42,6 +45,8 @@ from relax_core.engines.http_server import UpdateWeightsBody as DiskBody
 
 WORKER_EXTENSION = "relax_core.engines.vllm_worker_ext.WeightLoaderExtension"
 FINISH = {"stop": "stop", "length": "length"}
+# LoRA adapter sync: the adapters kept loaded (the newest and the one before, which requests in flight may use)
+LORAS_KEPT = 2
 
 
 class MediaGenerateBody(GenerateBody):
@@ -72,6 +77,13 @@ class GroupBody(BaseModel):
     backend: str = "gloo"
 
 
+class LoraBody(BaseModel):
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    weight_version: str | None = None
+
+
 class DistributedBody(BaseModel):
     names: list[str]
     dtypes: list[str]
@@ -92,10 +104,12 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
     """The FastAPI app serving one ``AsyncLLM``."""
     from fastapi import FastAPI, HTTPException
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import RequestOutputKind
 
     app = FastAPI(title="Relax vLLM engine server")
-    state = {"weight_version": "0"}
+    state: dict[str, Any] = {"weight_version": "0", "lora": None}
+    loras: list[int] = []  # ids of the adapters loaded, oldest first
     in_flight: dict[str, set[str]] = {}  # rid -> vLLM request ids
     # vLLM ids an abort named: one that came while vLLM was still admitting the request found nothing to abort
     aborted: set[str] = set()
@@ -110,6 +124,7 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
     async def new_weights(version: Any, flush: bool) -> None:
         if flush:
             await engine.reset_prefix_cache()
+            state["lora"] = None  # new base weights: the policy is them alone until an adapter comes
         if version is not None:
             state["weight_version"] = str(version)
 
@@ -202,7 +217,7 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
         completions: dict[int, Any] = {}  # sample index -> its latest (cumulative) state
         expanded: list[int] | None = None  # the prompt as vLLM expanded its images
         try:
-            async for out in engine.generate(prompt, params, request_id):
+            async for out in engine.generate(prompt, params, request_id, lora_request=state["lora"]):
                 expanded = out.prompt_token_ids
                 # with n > 1 an output may carry only the samples that progressed
                 completions.update((c.index, c) for c in out.outputs)
@@ -278,6 +293,22 @@ def create_app(engine: Any, model_path: str, sleep_mode: bool = False):
         await new_weights(body.weight_version, body.flush_cache)
         return {"success": True, "message": "ok"}
 
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoraBody) -> dict[str, Any]:
+        """The policy's adapters of a new version (a peft folder): later requests generate with them; the
+        adapter before the previous one is removed (the previous one may still serve requests in flight)."""
+        request = LoRARequest(body.lora_name, body.lora_int_id, body.lora_path)
+        try:
+            await engine.add_lora(request)
+        except Exception as err:
+            return {"success": False, "message": f"{type(err).__name__}: {err}"}
+        loras.append(body.lora_int_id)
+        while len(loras) > LORAS_KEPT:
+            await engine.remove_lora(loras.pop(0))
+        await new_weights(body.weight_version, False)
+        state["lora"] = request
+        return {"success": True, "message": "ok"}
+
     @app.post("/init_weights_update_group")
     async def init_group(body: GroupBody) -> dict[str, Any]:
         try:
@@ -344,6 +375,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--enable-sleep-mode", action="store_true")
     parser.add_argument("--parent-pid", type=int, default=None)
+    # > 0: vLLM's LoRA support for adapters up to this rank (POST /load_lora_adapter)
+    parser.add_argument("--max-lora-rank", type=int, default=0)
     args = parser.parse_args()
     if args.parent_pid:
         guard_process_group(args.parent_pid)
@@ -366,6 +399,11 @@ def main() -> None:
         enable_sleep_mode=args.enable_sleep_mode,
         enable_log_requests=False,
     )
+    if args.max_lora_rank:
+        engine_args.enable_lora = True
+        engine_args.max_lora_rank = args.max_lora_rank
+        engine_args.max_loras = LORAS_KEPT
+        engine_args.max_cpu_loras = LORAS_KEPT
     engine = AsyncLLM.from_engine_args(engine_args)
     config = uvicorn.Config(
         create_app(engine, args.model, args.enable_sleep_mode),

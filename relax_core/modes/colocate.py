@@ -16,6 +16,7 @@ from typing import Any
 from relax_core import handles
 from relax_core.algorithm_roles import collect_with_dynamic_sampling
 from relax_core.algorithms.spec import needs_old_logprobs
+from relax_core.engines import ENGINES
 from relax_core.engines.base import SamplingParams
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
 from relax_core.placement import (
@@ -264,10 +265,20 @@ class ColocateMode(Mode):
             **{"staleness/mean": 0.0, "staleness/max": 0.0},
         )
         metrics["weights/bytes"] = float(self.transfer.stats.bytes)
+        metrics |= self.engine_sync_metrics()
         metrics |= self.roles.rollout.step_metrics()  # samples and engines behind this step (elastic scaling)
         if self.agent is not None:
             metrics |= self.agent.metrics()
         return metrics
+
+    def engine_sync_metrics(self) -> dict[str, float]:
+        """What the step's weight update moved into each engine server (``weight_sync/bytes``, ``/seconds``,
+        ``/adapter_only``; LoRA adapter sync moves the adapters alone), the mean over the launch engines; none
+        for engines that load in the Rollout's process."""
+        if not ENGINES.load(self.cfg.rollout.engine).copies_weights:
+            return {}
+        stats = [s for s in handles.get(self.roles.rollout.call("sync_metrics")) if s]
+        return {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]} if stats else {}
 
     def steps(self, first: int, evaluate: Callable[[int], StepMetrics]) -> Iterator[tuple[int, StepMetrics]]:
         for step in range(first, self.cfg.trainer.total_steps + 1):

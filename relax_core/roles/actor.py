@@ -18,6 +18,7 @@ from relax_core.backends import build_backend
 from relax_core.backends.base import SKIPPED_STEPS
 from relax_core.databus import DataBus, PartitionCancelled, partition_name, sample_key
 from relax_core.databus.stages import BusStep, MicroStream, score_stage
+from relax_core.engines import adapter_sync_rank
 from relax_core.errors import nonfinite_weights_error
 from relax_core.placement import actor_world_size, data_parallel_size
 from relax_core.roles import use_threads
@@ -87,6 +88,8 @@ class Actor(WeightSource, WeightReceiver):
         )
         # R3: the log-prob and training forwards replay the rollout engine's MoE routing (torch backend)
         self.backend.routing_replay = cfg.algorithm.routing_replay
+        # LoRA adapter sync: versions go out as adapter payloads (engines that serve LoRA: vLLM)
+        self.backend.engine_adapters = adapter_sync_rank(cfg) > 0
         self._in_warm_start = False
 
     def offload(self) -> None:
@@ -235,6 +238,14 @@ class Actor(WeightSource, WeightReceiver):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         weights = self.backend.state_dict()  # collective: every rank gathers its shards
+        return weights if self.rank == 0 else {}
+
+    def _published(self) -> dict[str, torch.Tensor]:
+        return self.backend.publish_weights()  # LoRA adapter sync: the adapter payload
+
+    def publish_weights(self) -> dict[str, torch.Tensor]:
+        """What a published version carries (collective); rank 0 returns it."""
+        weights = self._published()
         return weights if self.rank == 0 else {}
 
     def save_checkpoint(self, path: str) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from relax_core.databus import DataBus
 from relax_core.databus.stages import BusProducer
-from relax_core.engines import build_engine
+from relax_core.engines import adapter_sync_rank, build_engine
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.engines.resumable import ResumableEngine
 from relax_core.health import apply_reward, mark_reward_error, reward_problem
@@ -18,6 +18,7 @@ from relax_core.roles import use_threads
 from relax_core.samples import PromptRecord, Sample, SampleStatus
 from relax_core.weight_transfer import WeightReceiver
 from relax_models.loader import load_tokenizer
+from relax_models.lora import merged_payload
 from relax_rewards.executor import RewardExecutor, RewardItem
 
 if TYPE_CHECKING:
@@ -59,7 +60,10 @@ class Rollout(WeightReceiver, BusProducer):
             rollout_cfg=cfg.rollout,
             engine_url=engine_url,
             record_routing=cfg.algorithm.routing_replay,
+            lora_rank=adapter_sync_rank(cfg),
         )
+        # an engine that serves no LoRA (an external one joining a vLLM run) loads adapter payloads merged
+        self.merge_adapters = engine.max_lora_rank is None
         self.engine = ResumableEngine(engine, cfg.mode.partial_rollout)
         self.rewards = RewardExecutor.from_config(cfg.reward)
         # multimodal prompts arrive with media references; their tensors are built here, once per prompt,
@@ -153,7 +157,11 @@ class Rollout(WeightReceiver, BusProducer):
         return self.engine.resumed
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        self.engine.swap(state_dict, version)
+        self.engine.swap(merged_payload(state_dict) if self.merge_adapters else state_dict, version)
+
+    def sync_metrics(self) -> dict[str, float]:
+        """What the newest weight update moved into the engine (its ``sync_stats``)."""
+        return dict(self.engine.engine.sync_stats)
 
     def load_weights_folder(self, folder: str, version: int) -> None:
         """Weights from an HF folder (the ``disk`` channel; external engine servers load it themselves)."""

@@ -219,7 +219,7 @@ class WeightTransfer:
             route, latest = "object_store", self._latest[0] if self._latest else 0
             self._log_routes({"a late consumer": consumer}, [f"{route} (from the source)"], nodes)
             v = latest if version is None else version
-            weights = self.source.call("state_dict")[0]  # every rank gathers; rank 0 returns the weights
+            weights = self.source.call("publish_weights")[0]  # every rank gathers; rank 0 returns them
             return consumer.weights_receive.remote(None, weights, v)
         self._log_routes({"a late consumer": consumer}, [route], nodes)
         return self._read_latest(consumer, key, "policy")

@@ -98,8 +98,17 @@ class WeightSource(_WeightEndpoint):
     step already trains; without a snapshot the current weights are sent.
     """
 
+    def _published(self) -> dict[str, torch.Tensor]:
+        """What a version carries, built on every rank (collective for sharded backends): the backend's state
+        dict (the Actor's: its ``publish_weights``, with LoRA adapter sync an adapter payload)."""
+        return self.backend.state_dict()
+
+    def publish_weights(self) -> dict[str, torch.Tensor]:
+        """A version for a consumer that joins late (``WeightTransfer.deliver``)."""
+        return self._published()
+
     def weights_layout(self) -> Layout:
-        return layout_of(self.backend.state_dict())
+        return layout_of(self._published())
 
     def free_address(self) -> tuple[str, int]:
         """This node's address and a free port: the rendezvous of a broadcast group the source leads."""
@@ -115,14 +124,14 @@ class WeightSource(_WeightEndpoint):
     def weights_snapshot(self, version: int) -> None:
         if not hasattr(self, "_snapshots"):
             self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
-        self._snapshots[version] = self.backend.state_dict()
+        self._snapshots[version] = self._published()
 
     def weights_send(self, keys: list[str], version: int) -> tuple[Any, ...]:
         """Send version ``version`` (its snapshot, else the current weights) into the channels ``keys``;
         returns (seconds, bytes, then each channel's payload in the order of ``keys``)."""
         t = time.perf_counter()
         snapshots = getattr(self, "_snapshots", {})
-        state = snapshots.pop(version, None) or self.backend.state_dict()
+        state = snapshots.pop(version, None) or self._published()
         for older in [v for v in snapshots if v < version]:  # never sent (a recovery skipped them)
             del snapshots[older]
         payloads = [None] * len(keys)

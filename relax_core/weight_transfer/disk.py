@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from relax_core.weight_transfer.channel import Channel, Transport
+from relax_models.lora import merged_payload
 
 if TYPE_CHECKING:
     from relax_core.weight_transfer import WeightTransfer
@@ -73,8 +74,9 @@ class DiskChannel(Channel):
         self.folders: list[Path] = []
 
     def send(self, state_dict: dict[str, torch.Tensor], version: int) -> str:
+        # an HF folder holds the merged model: servers that reload folders know no adapter payload
         folder = save_weights_folder(
-            state_dict, self.spec.base_model_path, Path(self.spec.root) / f"v{version}"
+            merged_payload(state_dict), self.spec.base_model_path, Path(self.spec.root) / f"v{version}"
         )
         self.folders = [f for f in self.folders if f != folder] + [folder]
         while len(self.folders) > self.spec.keep:

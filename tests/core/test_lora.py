@@ -209,3 +209,61 @@ def test_a_run_writes_an_adapter_peft_loads_onto_its_base_as_the_merged_final_mo
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final_model"))
     torch.testing.assert_close(logits(peft, batch), logits(merged, batch), rtol=0, atol=1e-5)
     assert not torch.allclose(logits(peft.get_base_model(), batch), logits(merged, batch))  # RL moved B
+
+
+def test_adapter_payload_merges_to_the_published_weights_and_marks_base_changes(
+    tiny_model_dir: Path, batch: TrainBatch, tmp_path: Path
+) -> None:
+    """trainer.lora.engine_sync=adapter: a published version is the base, the adapters under peft's saved names
+    and the base's version; merged it equals the merged weights, its base version moves only with the base (the
+    full-model warm-start), and its adapters written as a folder load in peft."""
+    from relax_models.lora import PEFT_PREFIX, adapter_folder, merged_payload, split_payload
+
+    cfg = replace(LORA, lora=LoRAConfig(rank=4, alpha=8, full_warm_start=True))
+    backend = TorchBackend(str(tiny_model_dir), cfg, ModelConfig())
+    backend.engine_adapters = True
+    nll_step(backend, batch)  # B != 0
+    payload = backend.publish_weights()
+    base, adapters, version, scale = split_payload(payload)
+    assert (
+        scale == 2.0
+        and all(k.startswith(PEFT_PREFIX) for k in adapters)
+        and set(base) == set(backend.state_dict())
+    )
+    merged = merged_payload(payload)
+    assert merged.keys() == backend.state_dict().keys()
+    assert all(torch.allclose(merged[k], v, atol=1e-6) for k, v in backend.state_dict().items())
+    nll_step(backend, batch)
+    assert split_payload(backend.publish_weights())[2] == version  # adapters only: the base did not move
+    backend.set_warm_start(True)  # the base trains: every version may carry a new one
+    first = split_payload(backend.publish_weights())[2]
+    assert first > version and split_payload(backend.publish_weights())[2] > first
+    backend.set_warm_start(False)
+    after = split_payload(backend.publish_weights())[2]
+    assert split_payload(backend.publish_weights())[2] == after
+    assert backend.state_dict().keys() == merged.keys()  # export and the Reference keep the merged weights
+    # the receivers that take merged weights (ActorFwd, Reference) load a payload as its merge
+    follower = TorchBackend(str(tiny_model_dir), LORA, ModelConfig(), trainable=False)
+    follower.load_state_dict(payload)
+    assert all(torch.allclose(follower.state_dict()[k], v, atol=1e-6) for k, v in merged.items())
+    # the folder an adapter engine loads (vLLM's LoRARequest) is one peft loads onto the base
+    folder = tmp_path / "adapter"
+    assert adapter_folder(folder, adapters, scale) == sum(t.numel() * 4 for t in adapters.values())
+    base_model = load_causal_lm(str(tiny_model_dir), "float32", "sdpa", family="qwen3")
+    base_model.load_state_dict(base, strict=False)
+    peft_model = PeftModel.from_pretrained(base_model, str(folder))
+    merged_model = load_causal_lm(str(tiny_model_dir), "float32", "sdpa", family="qwen3")
+    merged_model.load_state_dict(merged, strict=False)
+    assert torch.allclose(logits(peft_model, batch), logits(merged_model, batch), atol=1e-5)
+
+
+def test_engine_sync_settings_that_cannot_work_stop_with_one_line() -> None:
+    from relax_models.lora import check_engine_sync
+
+    with pytest.raises(RelaxUserError, match="engine_sync must be merged or adapter"):
+        check_engine_sync(LoRAConfig(rank=8, engine_sync="both"), 512)
+    with pytest.raises(RelaxUserError, match="serves LoRA ranks up to 512.*engine_sync=merged"):
+        check_engine_sync(LoRAConfig(rank=1024, engine_sync="adapter"), 512)
+    # an engine without LoRA gets merged weights anyway
+    check_engine_sync(LoRAConfig(rank=1024, engine_sync="adapter"), None)
+    check_engine_sync(LoRAConfig(rank=1024), 512)  # merged, the default
