@@ -85,6 +85,29 @@ def sweep_group(sweep_dir: Path) -> str:
     return f"sweep-{sweep_dir.parent.name}-{sweep_dir.name}"
 
 
+def let_failed_grid_points_end_the_grid() -> None:
+    """A failed last point of an Optuna grid search must not end the sweep. Optuna's GridSampler calls
+    ``Study.stop()`` once the grid is done, which raises outside ``Study.optimize``; hydra-optuna-sweeper 1.3.0
+    ignores that error after a completed trial but not after a failed one, so the search died whenever the
+    grid's last point (in random order) failed. The sweeper's loop ends after ``n_trials`` by itself, so the
+    stop is not needed there: this sampler skips it."""
+    from optuna.samplers import GridSampler
+
+    after_trial = GridSampler.after_trial
+    if getattr(after_trial, "relax_skips_stop", False):
+        return
+
+    def after_trial_without_stop(self, study, trial, state, values) -> None:  # noqa: ANN001 (optuna's)
+        try:
+            after_trial(self, study, trial, state, values)
+        except RuntimeError as err:
+            if "Study.stop" not in str(err):
+                raise
+
+    after_trial_without_stop.relax_skips_stop = True  # type: ignore[attr-defined]
+    GridSampler.after_trial = after_trial_without_stop
+
+
 class SweepCallback(Callback):
     """Parent MLflow run and W&B group around a multirun (no-op for single runs; no parent run for loggers
     other than MLflow)."""
@@ -94,6 +117,8 @@ class SweepCallback(Callback):
         self.uri: str | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if "optuna" in str(config.hydra.sweeper.get("_target_", "")):
+            let_failed_grid_points_end_the_grid()
         sweep_dir = Path(config.hydra.sweep.dir)
         os.environ["RELAX_SWEEP_GROUP"] = sweep_group(sweep_dir.resolve())
         if config.logger.name != "mlflow":
