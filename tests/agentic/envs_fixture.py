@@ -8,6 +8,8 @@ import time
 
 from relax_core.agentic.env import BaseInteractionEnv
 
+# a test replaces both before it builds its environments (each FlakyEnv keeps the pair it was built with, so
+# a hung step of an earlier test, released late, sets that test's event, not this one's)
 RELEASE = threading.Event()  # lets a test end the hung threads it caused
 HUNG_STEP_RETURNED = threading.Event()  # set when a hung step is released: nothing may wait for it
 
@@ -38,6 +40,7 @@ class FlakyEnv(BaseInteractionEnv):
         super().__init__(label, metadata, seed)
         self.mode = self.metadata.get("mode", "ok")
         self.turns = 0
+        self.release, self.returned = RELEASE, HUNG_STEP_RETURNED
 
     def reset(self):
         if self.mode == "raise_reset":
@@ -51,8 +54,8 @@ class FlakyEnv(BaseInteractionEnv):
         if self.mode == "raise":
             raise ValueError("tool crashed")
         if self.mode == "hang":
-            RELEASE.wait(60)
-            HUNG_STEP_RETURNED.set()
+            self.release.wait(60)
+            self.returned.set()
             return "late", False, {}
         return ("again", False, {}) if self.turns < 2 else (None, True, {"reward": 1.0, "acc": 1.0})
 

@@ -3,6 +3,7 @@ environment failures and time limits, chat-template and image observations."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -113,8 +114,7 @@ def flaky_prompts(tokenizer, modes: list[str]) -> list[PromptRecord]:
 
 @pytest.mark.parametrize("policy", ["mask", "keep"])
 def test_env_that_raises_or_hangs_fails_only_its_sample(tokenizer, engine, policy):
-    envs_fixture.RELEASE.clear()
-    envs_fixture.HUNG_STEP_RETURNED.clear()
+    envs_fixture.RELEASE, envs_fixture.HUNG_STEP_RETURNED = threading.Event(), threading.Event()
     cfg = rollout_cfg(f"{FIX}.FlakyEnv", env_step_timeout_s=1.0, failed_sample_policy=policy)
     modes = ["ok", "raise", "hang", "raise_reset", "async"]
     try:
@@ -203,7 +203,7 @@ def test_chat_template_observation_drops_the_models_own_eos(tokenizer):
 
 def test_validation_names_the_bad_key():
     from relax_core.agentic.validation import validate_agentic
-    from relax_core.config import RelaxConfig, TinyModelSpec
+    from relax_core.config.schema import RelaxConfig, TinyModelSpec
 
     cfg = RelaxConfig()
     cfg.model.tiny = TinyModelSpec()

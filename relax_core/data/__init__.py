@@ -1,0 +1,1 @@
+"""Prompts in: dataset loading, multimodal inputs, generated tasks."""

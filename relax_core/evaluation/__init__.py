@@ -1,0 +1,1 @@
+"""Held-out evaluation: the evaluator and its pass@k / maj@k estimators."""

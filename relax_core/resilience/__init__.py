@@ -1,0 +1,1 @@
+"""Surviving failures: role health checks and restarts, whole-run checkpoints."""

@@ -1,0 +1,1 @@
+"""Where a run's numbers and messages go: metrics sinks and notifications."""
