@@ -277,7 +277,7 @@ def chunk_cost(prompts: int, chunk: int, repeats: int) -> list[dict]:
     from relax_core.agentic.multiturn import engine_policy
     from relax_core.agentic.tasks import lookup_row
     from relax_core.agentic.warmstart import expert_policy
-    from relax_core.config import DataConfig, RolloutConfig, TinyModelSpec
+    from relax_core.config.schema import DataConfig, RolloutConfig, TinyModelSpec
     from relax_core.engines.base import SamplingParams
     from relax_core.engines.torch_engine import TorchEngine
     from relax_core.samples import PromptRecord

@@ -35,7 +35,7 @@ def _rank(rank: int, world: int, kind: str, port: int, model_dir: str, args, out
     torch.set_num_threads(1)
     from relax_core.backends.fsdp_backend import FSDPBackend
     from relax_core.backends.torch_backend import TorchBackend
-    from relax_core.config import ModelConfig, TrainerConfig
+    from relax_core.config.schema import ModelConfig, TrainerConfig
     from relax_models.loader import load_tokenizer
 
     trainer = TrainerConfig(lr=1e-4, lr_decay="constant", fsdp=kind == "fsdp", dp_size=world)

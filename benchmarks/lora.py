@@ -30,7 +30,7 @@ SIZES = {"tiny": (128, 4), "25m": (512, 8), "340m": (1536, 12)}
 def _run(_: int, size: str, rank: int, model_dir: str, args, out: str) -> None:
     torch.set_num_threads(1)
     from relax_core.backends.torch_backend import TorchBackend
-    from relax_core.config import LoRAConfig, ModelConfig, TrainerConfig
+    from relax_core.config.schema import LoRAConfig, ModelConfig, TrainerConfig
     from relax_models.loader import load_tokenizer
 
     trainer = TrainerConfig(lr=1e-4, lr_decay="constant", lora=LoRAConfig(rank=rank, alpha=2 * rank))

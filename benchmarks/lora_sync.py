@@ -62,7 +62,7 @@ def trainer_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int
 
 def run(size: str, mode: str, model_dir: str, args: argparse.Namespace) -> None:
     from relax_core.backends.torch_backend import TorchBackend
-    from relax_core.config import LoRAConfig, ModelConfig, TrainerConfig
+    from relax_core.config.schema import LoRAConfig, ModelConfig, TrainerConfig
     from relax_core.engines.base import GenerationRequest, SamplingParams
     from relax_core.engines.vllm import VLLMEngine
     from relax_models.lora import is_adapter

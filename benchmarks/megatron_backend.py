@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from relax_core.config import ModelConfig, TinyModelSpec, TrainerConfig
+from relax_core.config.schema import ModelConfig, TinyModelSpec, TrainerConfig
 from relax_core.samples import Sample, TrainBatch
 
 

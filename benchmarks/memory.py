@@ -7,7 +7,7 @@
 
 Each point launches ``python -m relax_launch`` with a few RL steps, samples the RSS of the launcher and every
 process below it (Ray's workers included) every 0.1 s, and prints one JSON line per role process:
-``predicted_mb`` (``relax_core.memory.estimate`` of the same overrides, no run needed), ``measured_mb``
+``predicted_mb`` (``relax_core.preflight.memory.estimate`` of the same overrides, no run needed), ``measured_mb``
 (that process's peak RSS) and ``ratio`` (predicted / measured). ``data.max_prompt_len`` is set to the
 task's longest prompt, so the doctor's worst case (every row at its length limits) is the run's.
 The 25M and 340M sizes are random-init Qwen3 twins (hidden 512 x 8 layers, 1536 x 12 layers) of the tiny
@@ -196,7 +196,7 @@ def gpu_points(points: list[tuple[str, str, list[str]]]) -> None:
     """One JSON line per (point, role): the doctor's allocator items against the probe's peak."""
     from omegaconf import OmegaConf
 
-    from relax_core.memory import estimate
+    from relax_core.preflight.memory import estimate
     from relax_launch.cli import compose_config
 
     for size, roles, extra in points:
@@ -249,7 +249,7 @@ def main() -> None:
         return
     from omegaconf import OmegaConf
 
-    from relax_core.memory import estimate
+    from relax_core.preflight.memory import estimate
     from relax_launch.cli import compose_config
 
     for size in args.sizes.split(","):

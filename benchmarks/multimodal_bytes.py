@@ -23,7 +23,7 @@ import numpy as np
 import soundfile
 import torch
 
-from relax_core.config import ModalityConfig
+from relax_core.config.schema import ModalityConfig
 from relax_core.samples import PromptRecord, Sample, TrainBatch
 from relax_models.families import forward_kwargs
 from relax_models.processors import build_multimodal_inputs, load_processor, multimodal_nbytes

@@ -34,7 +34,7 @@ from relax_core.algorithms.logprobs import CHUNK_BYTES, response_logprobs_and_en
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
 from relax_core.backends.base import batch_to_device
 from relax_core.backends.torch_backend import TorchBackend
-from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relax_core.config.schema import AlgorithmConfig, ModelConfig, TrainerConfig
 from relax_core.samples import Sample, TrainBatch
 from relax_models.tiny import build_tiny_qwen3
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from relax_core.config import TinyModelSpec
+from relax_core.config.schema import TinyModelSpec
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.client import WEIGHT_TRANSFERS
 from relax_core.engines.native_decode import decode_kernels

@@ -45,7 +45,7 @@ def synthetic_batch(tokenizer, samples: int, length: int):
 def train_and_measure(backend, batch, steps: int, micro: int) -> dict[str, Any]:
     """Take ``steps`` GRPO-loss optimizer steps; the median step time and the trainer's tensor bytes."""
     from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
-    from relax_core.config import AlgorithmConfig
+    from relax_core.config.schema import AlgorithmConfig
 
     algo = AlgorithmConfig()
     tokens, seqs = float(batch.loss_mask.sum()), sequence_count(batch, algo)

@@ -187,8 +187,8 @@ def build_inputs(folder: Path, seed: int) -> dict:
     """The model folder and the digits train/eval files both tools read."""
     import dataclasses
 
-    from relax_core.config import DataConfig, TinyModelSpec
-    from relax_core.data import generate_synthetic
+    from relax_core.config.schema import DataConfig, TinyModelSpec
+    from relax_core.data.prompts import generate_synthetic
     from relax_models.tiny import build_tiny_qwen3
 
     dims = {k: v for k, v in dataclasses.asdict(TinyModelSpec()).items() if v is not None}

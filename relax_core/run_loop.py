@@ -13,9 +13,13 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from relax_core import handles
 from relax_core.algorithms.spec import requirements
-from relax_core.checkpoint import (
+from relax_core.data.multimodal import MediaPrompts
+from relax_core.data.prompts import PromptStream, dataset_paths, load_prompts
+from relax_core.evaluation.evaluator import Evaluator
+from relax_core.modes import build_mode
+from relax_core.modes.base import ERROR_EXAMPLE, RunContext, resolve_threads
+from relax_core.resilience.checkpoint import (
     STOP_REQUEST,
     CheckpointManager,
     check_shared_dir,
@@ -26,18 +30,14 @@ from relax_core.checkpoint import (
     rewind_sink,
     save_run,
 )
-from relax_core.data import PromptStream, dataset_paths, load_prompts
-from relax_core.evaluation import Evaluator
-from relax_core.health import GlobalRestartNeeded, HealthManager, TrainingGuard
-from relax_core.metrics import MetricsSink, check_tracking_server, format_step_line
-from relax_core.modes import build_mode
-from relax_core.modes.base import ERROR_EXAMPLE, RunContext, resolve_threads
-from relax_core.multimodal import MediaPrompts
+from relax_core.resilience.health import GlobalRestartNeeded, HealthManager, TrainingGuard
+from relax_core.runtime import handles
 from relax_core.samples import Sample, TrainBatch
+from relax_core.telemetry.metrics import MetricsSink, check_tracking_server, format_step_line
 from relax_models.loader import load_tokenizer, resolve_model_path
 
 if TYPE_CHECKING:
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
 
 log = logging.getLogger("relax")
 
@@ -73,7 +73,7 @@ class RunLoop:
 
     # ---------------------------------------------------------------- phases around the RL steps
     def evaluate(self, step: int = 0) -> dict[str, float]:
-        """The eval sets due after RL ``step`` (0: before RL) on the mode's engines (relax_core/evaluation.py)."""
+        """The eval sets due after RL ``step`` (0: before RL) on the mode's engines (relax_core/evaluation/evaluator.py)."""
         return self.evaluator.run(self.mode.generate, step)
 
     def evaluate_only(self, checkpoint: str | None = None) -> dict[str, Any]:
@@ -160,8 +160,8 @@ class RunLoop:
         """HTTP control plane (health, metrics, elastic rollout scaling) when ``control_plane.enabled``."""
         if not self.cfg.control_plane.enabled:
             return None
-        from relax_core.control_plane import ControlPlane
-        from relax_core.rollout_pool import RolloutPool
+        from relax_core.rollout.control_plane import ControlPlane
+        from relax_core.rollout.pool import RolloutPool
 
         def pool() -> RolloutPool | None:
             rollout = self.mode.roles.rollout
@@ -208,7 +208,8 @@ class RunLoop:
     # ---------------------------------------------------------------- the run
     def run(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.trainer
-        resume_from = resolve_resume(t.resume, cfg.output_dir)  # checkpoint/resume (relax_core/checkpoint.py)
+        # checkpoint/resume (relax_core/resilience/checkpoint.py)
+        resume_from = resolve_resume(t.resume, cfg.output_dir)
         if cfg.cluster.name != "in_process":  # ranks on several nodes all write and read the run dir
             check_shared_dir(cfg.output_dir, "hydra.run.dir")
         self.checkpoints = CheckpointManager(checkpoint_root(cfg.output_dir), t.save_every, t.keep_last)

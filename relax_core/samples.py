@@ -35,7 +35,7 @@ class PromptRecord:
     metadata: dict[str, Any] = field(default_factory=dict)
     multimodal_inputs: dict[str, Any] | None = None
     # media items (paths, bytes) of a multimodal row by kind; ``multimodal_inputs`` is built from them when
-    # the prompt is drawn (relax_core.multimodal), so a loaded dataset holds no pixel/audio tensors
+    # the prompt is drawn (relax_core.data.multimodal), so a loaded dataset holds no pixel/audio tensors
     media: dict[str, list[Any]] | None = None
     # the prompt as chat messages (system prompt included): what an agent program starts from
     messages: list[dict[str, Any]] = field(default_factory=list)

@@ -14,9 +14,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from relax_core.config import RelaxConfig
+from relax_core.config.schema import RelaxConfig
 from relax_core.errors import RelaxUserError, disk_full
-from relax_core.health import RunFailedError
+from relax_core.resilience.health import RunFailedError
 from relax_launch.cluster import LAUNCHERS
 from relax_launch.sweep import optimising_sweep, sweep_objective
 
@@ -114,7 +114,7 @@ def check_schema(cfg: DictConfig) -> None:
     """Fail on keys the schema lacks: ``+group.key=...`` opens Hydra's struct flag and would slip through."""
     extra = unknown_keys(cfg, OmegaConf.structured(RelaxConfig))
     if extra:
-        raise RelaxUserError(f"{extra[0]}: not a field of the config schema (relax_core/config.py)")
+        raise RelaxUserError(f"{extra[0]}: not a field of the config schema (relax_core/config/schema.py)")
 
 
 def compose_config(overrides: list[str]) -> DictConfig:

@@ -13,8 +13,8 @@ from relax_core.errors import RelaxUserError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from relax_core.memory import estimate
-    from relax_core.multimodal import check_engine_takes_media
+    from relax_core.data.multimodal import check_engine_takes_media
+    from relax_core.preflight.memory import estimate
     from relax_launch.cli import compose_config, composition_problem
 
     overrides = sys.argv[1:] if argv is None else argv

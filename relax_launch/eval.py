@@ -64,7 +64,7 @@ def evaluate_experiment(cfg: DictConfig, connect: Connect, checkpoint: str | Non
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    from relax_core.validation import validate
+    from relax_core.preflight.validation import validate
     from relax_launch.cluster import launcher_for
 
     try:

@@ -63,9 +63,9 @@ def run_experiment_on_ray(cfg: DictConfig, connect: Connect) -> Summary:
         config.logger.tracking_uri = cfg.logger.tracking_uri = sweep_uri
     resolved = OmegaConf.to_container(cfg, resolve=True)
     from relax_core.errors import RelaxUserError
-    from relax_core.health import RunFailedError
-    from relax_core.notify import Notifier
+    from relax_core.resilience.health import RunFailedError
     from relax_core.run_loop import RunLoop
+    from relax_core.telemetry.notify import Notifier
 
     notifier = Notifier(
         config.logger.notify_urls, config.logger.run_name or os.path.basename(config.output_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from relax_core.validation import validate
+from relax_core.preflight.validation import validate
 from relax_launch.cluster import launcher_for
 from relax_launch.experiment import Summary, quiet_third_parties, report, run_experiment_on_ray
 

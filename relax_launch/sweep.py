@@ -4,7 +4,7 @@
 launcher: in-process basic, or a Slurm job array through hydra-submitit-launcher). It creates the parent run
 in a tracking store shared by every point and exports ``RELAX_PARENT_RUN_ID`` and
 ``RELAX_SWEEP_TRACKING_URI``; points inherit them (in-process, or through sbatch's default
-``--export=ALL``), and :class:`relax_core.metrics.MetricsSink` nests its run under the parent.
+``--export=ALL``), and :class:`relax_core.telemetry.metrics.MetricsSink` nests its run under the parent.
 
 The shared store defaults to ``<sweep dir>/mlflow.db`` (SQLite). Points running at the same time on a cluster
 write to it concurrently; SQLite serialises writers with a file lock, so the URI carries ``?timeout=120``
@@ -35,7 +35,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from relax_core.errors import RelaxUserError
-from relax_core.metrics import check_tracking_server, create_run, mlflow_client
+from relax_core.telemetry.metrics import check_tracking_server, create_run, mlflow_client
 
 log = logging.getLogger("relax")
 

@@ -1,4 +1,4 @@
-"""Which CUDA device a process uses: one answer for the roles (``relax_core.placement.role_device``) and the
+"""Which CUDA device a process uses: one answer for the roles (``relax_core.runtime.placement.role_device``) and the
 default process group (``megatron.cpu_shim.init_process_group``), so the two never disagree."""
 
 from __future__ import annotations

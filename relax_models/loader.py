@@ -91,7 +91,7 @@ def load_causal_lm(
     family: str | None = None,
     device: torch.device | str = "cpu",
 ) -> torch.nn.Module:
-    """The trainable model of a local folder, on ``device`` (see ``relax_core.placement.role_device``),
+    """The trainable model of a local folder, on ``device`` (see ``relax_core.runtime.placement.role_device``),
     in ``dtype``.
 
     ``family`` (``model.family``) picks the class from ``relax_models.families`` and checks the folder's

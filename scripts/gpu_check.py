@@ -99,7 +99,7 @@ def doctor(overrides: list[str]) -> dict[str, Any]:
     """The memory doctor's figures for the same overrides: GPU 0's total and each role's, in GB."""
     from omegaconf import OmegaConf
 
-    from relax_core.memory import estimate
+    from relax_core.preflight.memory import estimate
     from relax_launch.cli import compose_config
 
     report = estimate(OmegaConf.to_object(compose_config(overrides)))

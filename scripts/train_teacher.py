@@ -13,7 +13,7 @@ import json
 import logging
 import time
 
-from relax_core.config import DataConfig, TeacherConfig
+from relax_core.config.schema import DataConfig, TeacherConfig
 from relax_core.roles.teacher import default_cache_dir, ensure_default_teacher
 
 

@@ -1,4 +1,4 @@
-"""Tiny-model dimensions shared by the tests, all derived from ``relax_core.config.TinyModelSpec``.
+"""Tiny-model dimensions shared by the tests, all derived from ``relax_core.config.schema.TinyModelSpec``.
 
 Imported by name (``from tiny_dims import ...``): pytest puts this folder, tests/conftest.py's, on sys.path.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from relax_core.config import TinyModelSpec
+from relax_core.config.schema import TinyModelSpec
 
 
 def tiny_dims(**overrides: Any) -> dict[str, Any]:

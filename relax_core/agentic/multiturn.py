@@ -35,7 +35,7 @@ from relax_core.engines.base import GenerationRequest, RolloutEngine, SamplingPa
 from relax_core.samples import PromptRecord, Sample, SampleStatus
 
 if TYPE_CHECKING:
-    from relax_core.config import RolloutConfig
+    from relax_core.config.schema import RolloutConfig
 
 log = logging.getLogger("relax")
 

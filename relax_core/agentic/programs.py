@@ -45,8 +45,8 @@ from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord, Sample
 
 if TYPE_CHECKING:  # the pool imports the Rollout role, which imports this package
-    from relax_core.config import RelaxConfig
-    from relax_core.rollout_pool import RolloutPool
+    from relax_core.config.schema import RelaxConfig
+    from relax_core.rollout.pool import RolloutPool
 
 log = logging.getLogger("relax")
 

@@ -42,8 +42,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from relax_core.agentic.formatting import continuation_text, render_messages
 from relax_core.agentic.tools import message_key, parse_tool_calls
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
-from relax_core.health import mark_reward_error, reward_problem
-from relax_core.http_auth import check_temperature, guard
+from relax_core.resilience.health import mark_reward_error, reward_problem
+from relax_core.runtime.http_auth import check_temperature, guard
 from relax_core.samples import PromptRecord, Sample, SampleStatus
 
 FINISH_STATUS = {

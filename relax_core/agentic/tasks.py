@@ -12,10 +12,10 @@ import random
 from typing import TYPE_CHECKING
 
 from relax_core.agentic.lookup import lookup_value
-from relax_core.synthetic import synthetic_task
+from relax_core.data.synthetic import synthetic_task
 
 if TYPE_CHECKING:
-    from relax_core.config import DataConfig
+    from relax_core.config.schema import DataConfig
 
 
 def operands(rng: random.Random, cfg: DataConfig) -> tuple[int, int]:

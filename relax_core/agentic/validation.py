@@ -1,4 +1,4 @@
-"""Config rules of agentic runs (called from :func:`relax_core.validation.validate` when rollout.env or
+"""Config rules of agentic runs (called from :func:`relax_core.preflight.validation.validate` when rollout.env or
 rollout.agent is set)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from relax_core.agentic.env import resolve_env_class
 from relax_core.errors import RelaxUserError
 
 if TYPE_CHECKING:
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
 
 FAILED_SAMPLE_POLICIES = ["mask", "keep"]
 # the endpoint's thread pool holds a waiting request of every program copy besides their model calls

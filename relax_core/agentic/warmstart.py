@@ -21,7 +21,7 @@ from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord, Sample
 
 if TYPE_CHECKING:
-    from relax_core.config import RolloutConfig
+    from relax_core.config.schema import RolloutConfig
 
 
 def expert_policy(tokenizer):

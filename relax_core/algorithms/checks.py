@@ -1,4 +1,4 @@
-"""Algorithm settings that cannot work together; checked by ``relax_core.validation`` before Ray starts.
+"""Algorithm settings that cannot work together; checked by ``relax_core.preflight.validation`` before Ray starts.
 
 The rules of the configured estimator, loss, aggregation and algorithm come from
 :mod:`relax_core.algorithms.spec`; :data:`SHARED_RULES` hold for every algorithm.
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from relax_core.algorithms.spec import Constraint, constraints
 
 if TYPE_CHECKING:
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
 
 
 def _critic_ok(c) -> bool:

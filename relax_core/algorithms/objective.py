@@ -11,7 +11,7 @@ from relax_core.algorithms.registry import KL_ESTIMATORS, LOSS_AGGREGATIONS, POL
 from relax_core.samples import TrainBatch
 
 if TYPE_CHECKING:
-    from relax_core.config import AlgorithmConfig
+    from relax_core.config.schema import AlgorithmConfig
 
 
 def truncated_is_weights(

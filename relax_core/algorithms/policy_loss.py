@@ -14,7 +14,7 @@ from relax_core.algorithms.masked import masked_mean
 from relax_core.algorithms.registry import POLICY_LOSSES
 
 if TYPE_CHECKING:
-    from relax_core.config import AlgorithmConfig
+    from relax_core.config.schema import AlgorithmConfig
 
 # |log π − log π_old| beyond this is numerically meaningless and would overflow exp()
 LOG_RATIO_CLAMP = 20.0

@@ -15,7 +15,7 @@ from relax_core.algorithms.shaping import groups_with_spread, overlong_penalty
 from relax_core.samples import Sample
 
 if TYPE_CHECKING:
-    from relax_core.config import AlgorithmConfig
+    from relax_core.config.schema import AlgorithmConfig
 
 log = logging.getLogger("relax")
 

@@ -23,7 +23,7 @@ from relax_core.algorithms.registry import Registry
 from relax_core.errors import RelaxUserError
 
 if TYPE_CHECKING:
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
 
 # per-token fields helper roles write for the Advantages and Actor stages
 VALUES, TEACHER_LOGPROBS, REF_LOGPROBS, OLD_LOGPROBS = (

@@ -8,7 +8,7 @@ from relax_core.backends.base import TrainingBackend
 from relax_core.errors import RelaxUserError
 
 if TYPE_CHECKING:
-    from relax_core.config import ModelConfig, TrainerConfig
+    from relax_core.config.schema import ModelConfig, TrainerConfig
 
 
 def build_backend(

@@ -45,7 +45,7 @@ from relax_core.backends.base import (
     split_groups,
 )
 from relax_core.backends.torch_backend import TorchBackend, rng_state, set_rng_state
-from relax_core.placement import join_rendezvous
+from relax_core.runtime.placement import join_rendezvous
 from relax_core.samples import TrainBatch
 from relax_models.loader import load_tokenizer
 from relax_models.lora import is_adapter, merged_payload, merged_weights, peft_names, zero_adapters
@@ -55,7 +55,7 @@ from relax_models.weight_buckets import bucket_by_bytes
 if TYPE_CHECKING:
     from peft import LoraConfig
 
-    from relax_core.config import ModelConfig, TrainerConfig
+    from relax_core.config.schema import ModelConfig, TrainerConfig
 
 
 class FSDPBackend(TorchBackend):

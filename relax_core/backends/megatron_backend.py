@@ -2,7 +2,7 @@
 
 One instance runs in each training process; the processes of one model replica form megatron's
 tensor/expert groups over the default ``torch.distributed`` group (started here from ``RANK``,
-``WORLD_SIZE`` and ``relax_core.placement.join_rendezvous`` when not yet running). Every method below that
+``WORLD_SIZE`` and ``relax_core.runtime.placement.join_rendezvous`` when not yet running). Every method below that
 touches weights is *collective*: all ranks call it in step with the whole batch; each data-parallel replica
 (``trainer.dp_size``, or the replicas an expert grid adds) trains on its own slice of it, and the
 replicas' gradients are averaged with each scaled by their count, so N replicas take one replica's step.
@@ -49,7 +49,7 @@ from relax_core.backends.base import (
 from relax_core.backends.schedule import lr_multiplier
 from relax_core.backends.torch_backend import rng_state, set_rng_state
 from relax_core.errors import RelaxUserError
-from relax_core.placement import join_rendezvous
+from relax_core.runtime.placement import join_rendezvous
 from relax_core.samples import TrainBatch
 from relax_models.megatron.bridge import (
     Qwen3Bridge,

@@ -29,8 +29,8 @@ from relax_core.backends.base import (
 )
 from relax_core.backends.schedule import lr_multiplier
 from relax_core.backends.shared_prompts import prompt_groups, shared_prompt_logits
-from relax_core.multimodal import multimodal_model_inputs
-from relax_core.placement import role_device
+from relax_core.data.multimodal import multimodal_model_inputs
+from relax_core.runtime.placement import role_device
 from relax_core.samples import TrainBatch
 from relax_models.errors import RelaxUserError
 from relax_models.loader import DTYPES, load_causal_lm, load_tokenizer
@@ -52,7 +52,7 @@ from relax_models.routing_replay import RoutingReplay, replay_routing
 if TYPE_CHECKING:
     from peft import LoraConfig
 
-    from relax_core.config import ModelConfig, TrainerConfig
+    from relax_core.config.schema import ModelConfig, TrainerConfig
 
 # families whose text forward takes packed rows (position ids restarting per row, no attention mask)
 PACKED_FAMILIES = ("qwen3", "qwen3_moe")

@@ -21,7 +21,7 @@ from relax_core.samples import TrainBatch
 from relax_models.loader import load_causal_lm
 
 if TYPE_CHECKING:
-    from relax_core.config import CriticConfig, ModelConfig
+    from relax_core.config.schema import CriticConfig, ModelConfig
 
 
 class ValueModel(torch.nn.Module):

@@ -2,7 +2,7 @@
 
 Hydra merges every YAML option of a group into the dataclass registered for it, so an unknown key or a
 value of the wrong type fails at composition time with the key's full name, before anything starts.
-Cross-field rules that a type cannot express live in :func:`relax_core.validation.validate`.
+Cross-field rules that a type cannot express live in :func:`relax_core.preflight.validation.validate`.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class ClusterConfig:
     name: str = "local"
     # whole-run restarts from the last checkpoint (Actor lost, or a role restarted too often)
     max_global_restarts: int = 2
-    # memory of each GPU the roles use; the launcher refuses a GPU run its roles cannot fit in (relax_core/memory.py)
+    # memory of each GPU the roles use; the launcher refuses a GPU run its roles cannot fit in (relax_core/preflight/memory.py)
     gpu_memory_gb: float = 80.0
 
 
@@ -277,7 +277,7 @@ class DataConfig:
 
     name: str = "digits"
     # a JSONL/JSON/Parquet/Arrow file or glob, a save_to_disk folder or a dataset name in the local Hugging
-    # Face cache (relax_core/data.py); null with a ``synthetic`` task generates files into the run dir
+    # Face cache (relax_core/data/prompts.py); null with a ``synthetic`` task generates files into the run dir
     train_path: str | None = None
     eval_path: str | None = None
     # the split of train_path / eval_path when it has several (a DatasetDict); one split is taken as is
@@ -300,7 +300,7 @@ class DataConfig:
     num_eval: int = 128
     min_digits: int = 3
     max_digits: int = 5
-    # multimodal synthetic tasks (relax_core/synthetic_multimodal.py): answer options per question,
+    # multimodal synthetic tasks (relax_core/data/synthetic_multimodal.py): answer options per question,
     # side of the generated square images, length of the generated audio clips
     num_choices: int = 4
     image_size: int = 64
@@ -534,7 +534,7 @@ class LoggerConfig:
     # TensorBoard event files in <run dir>/tensorboard as well (logger=tensorboard turns it on by itself)
     tensorboard: bool = False
     # a W&B run as well (logger=wandb turns it on by itself); files in <run dir>/wandb, offline unless
-    # logged in (relax_core/metrics.py: wandb_mode)
+    # logged in (relax_core/telemetry/metrics.py: wandb_mode)
     wandb: bool = False
     wandb_project: str = "relax"
     wandb_entity: str | None = None
@@ -600,7 +600,7 @@ class EvalConfig:
     """Held-out evaluation (``conf/eval/``): named sets, run every ``trainer.eval_every`` steps."""
 
     # name -> the fields of an EvalSetConfig (free-form here so that command-line overrides can add a set;
-    # relax_core.evaluation.eval_sets checks each against EvalSetConfig)
+    # relax_core.evaluation.evaluator.eval_sets checks each against EvalSetConfig)
     sets: dict[str, Any] = field(default_factory=dict)
     # the set whose greedy accuracy and reward are also ``eval/accuracy`` and ``eval/reward`` (the summary's)
     primary: str = "heldout"

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from relax_core.data import get_field
+from relax_core.data.prompts import get_field
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord, TrainBatch
 
 if TYPE_CHECKING:
-    from relax_core.config import ModalityConfig, RelaxConfig
+    from relax_core.config.schema import ModalityConfig, RelaxConfig
 
 MEDIA_KINDS = ("image", "video", "audio")
 # build_multimodal_inputs keyword per kind

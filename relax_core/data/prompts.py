@@ -22,12 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from relax_core.data.synthetic import generate_synthetic
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord
-from relax_core.synthetic import generate_synthetic
 
 if TYPE_CHECKING:
-    from relax_core.config import DataConfig
+    from relax_core.config.schema import DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ class PromptRows:
     ``template`` (an eval set's) wraps a string prompt: its ``{prompt}`` is replaced by the prompt. ``split``:
     the split read from a dataset with several (null: ``data.split``).
 
-    ``media`` (a :class:`relax_core.multimodal.MediaPrompts`, for ``modality.keys``) reads each row's media
+    ``media`` (a :class:`relax_core.data.multimodal.MediaPrompts`, for ``modality.keys``) reads each row's media
     columns and expands the placeholders in the prompt ids; records keep media references, not tensors.
     """
 

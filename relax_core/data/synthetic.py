@@ -22,12 +22,16 @@ from typing import TYPE_CHECKING, Any
 from relax_core.errors import RelaxUserError
 
 if TYPE_CHECKING:
-    from relax_core.config import DataConfig
+    from relax_core.config.schema import DataConfig
 
 RowMaker = Callable[[random.Random, "DataConfig"], dict]
 
 # modules whose import registers tasks (besides this one, which defines ``digits``)
-TASK_MODULES = ("relax_core.synthetic_multimodal", "relax_core.agentic.tasks", "relax_core.synthetic_code")
+TASK_MODULES = (
+    "relax_core.data.synthetic_multimodal",
+    "relax_core.agentic.tasks",
+    "relax_core.data.synthetic_code",
+)
 MEDIA_COLUMN = {"image": "images", "video": "videos", "audio": "audios"}
 
 

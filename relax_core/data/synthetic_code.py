@@ -9,10 +9,10 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from relax_core.synthetic import synthetic_task
+from relax_core.data.synthetic import synthetic_task
 
 if TYPE_CHECKING:
-    from relax_core.config import DataConfig
+    from relax_core.config.schema import DataConfig
 
 _OPS = {"add": lambda n, k: n + k, "mul": lambda n, k: n * k, "mod": lambda n, k: n % k}
 _SIGN = {"add": "+", "mul": "*", "mod": "%"}

@@ -1,8 +1,8 @@
 """Synthetic multimodal tasks: questions whose answer is only in the image or the sound.
 
-Each task is a ``relax_core.synthetic`` entry like the text ``digits`` task. A row carries its media in
+Each task is a ``relax_core.data.synthetic`` entry like the text ``digits`` task. A row carries its media in
 memory under ``_media`` and a ``_key`` that tells apart rows with the same question text;
-:func:`relax_core.synthetic.generate_synthetic` writes the media to files in the ``images`` / ``audios``
+:func:`relax_core.data.synthetic.generate_synthetic` writes the media to files in the ``images`` / ``audios``
 columns, which ``modality.keys`` points at. Answers are letters scored by the ``multiple_choice`` reward;
 the option order is fixed, so only the media tell the answers apart.
 """
@@ -13,11 +13,11 @@ import random
 import string
 from typing import TYPE_CHECKING
 
+from relax_core.data.synthetic import synthetic_task
 from relax_core.errors import RelaxUserError
-from relax_core.synthetic import synthetic_task
 
 if TYPE_CHECKING:
-    from relax_core.config import DataConfig
+    from relax_core.config.schema import DataConfig
 
 # name -> RGB; a row jitters its colour so no two images are alike
 COLORS: dict[str, tuple[int, int, int]] = {

@@ -10,6 +10,7 @@ Implementations (``mode.databus``):
 
 from __future__ import annotations
 
+from relax_core.config.options import Option
 from relax_core.databus.base import (
     DataBus,
     DataBusDown,
@@ -19,7 +20,6 @@ from relax_core.databus.base import (
     sample_key,
 )
 from relax_core.databus.memory import InMemoryDataBus
-from relax_core.options import Option
 
 DATABUSES = Option(
     "mode.databus",

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relax_core.algorithm_roles import shape_rewards, with_spread
 from relax_core.algorithms.objective import micro_batch_weight, sequence_count
+from relax_core.algorithms.sampling_rules import shape_rewards, with_spread
 from relax_core.databus.base import DataBus, Fields, PartitionCancelled, partition_name, sample_key
 from relax_core.databus.records import (
     FORWARD_FIELDS,
@@ -25,7 +25,7 @@ from relax_core.databus.records import (
     per_sample,
     sample_rows,
 )
-from relax_core.ray_errors import RayActorError
+from relax_core.runtime.ray_errors import RayActorError
 from relax_core.samples import RolloutRound, Sample, TrainBatch
 
 

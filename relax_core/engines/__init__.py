@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from relax_core.config.options import Option
 from relax_core.engines.base import EngineSetup, RolloutEngine, engine_dtype
-from relax_core.options import Option
 
 if TYPE_CHECKING:
-    from relax_core.config import ModelConfig, RolloutConfig
+    from relax_core.config.schema import ModelConfig, RolloutConfig
 
 ENGINES = Option(
     "rollout.engine",

@@ -18,7 +18,7 @@ from relax_core.errors import RelaxUserError
 from relax_core.weight_transfer.disk import read_weights_folder
 
 if TYPE_CHECKING:
-    from relax_core.config import ModelConfig, RolloutConfig
+    from relax_core.config.schema import ModelConfig, RolloutConfig
 
 
 @dataclass
@@ -35,7 +35,7 @@ class EngineSetup:
     lora_rank: int = 0
 
     def rollout_config(self) -> RolloutConfig:
-        from relax_core.config import RolloutConfig
+        from relax_core.config.schema import RolloutConfig
 
         return self.rollout if self.rollout is not None else RolloutConfig()
 

@@ -39,7 +39,7 @@ from pydantic import AfterValidator, BaseModel, Field
 
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.errors import RelaxUserError
-from relax_core.http_auth import check_security, check_temperature, guard
+from relax_core.runtime.http_auth import check_security, check_temperature, guard
 
 log = logging.getLogger("relax.engine_server")
 

@@ -50,7 +50,7 @@ from relax_core.engines.base import (
 from relax_core.errors import RelaxUserError
 
 if TYPE_CHECKING:
-    from relax_core.config import RolloutConfig
+    from relax_core.config.schema import RolloutConfig
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -276,8 +276,8 @@ class TorchEngine(RolloutEngine):
         ``rollout.*`` describes."""
         from transformers import AutoConfig
 
-        from relax_core.config import ModelConfig
-        from relax_core.placement import role_device
+        from relax_core.config.schema import ModelConfig
+        from relax_core.runtime.placement import role_device
         from relax_models.families import FAMILIES, family_for_model_type
         from relax_models.loader import DTYPES
 

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from relax_core.config import RolloutConfig
+from relax_core.config.schema import RolloutConfig
 from relax_core.engines.base import (
     GPU_MEMORY_FRACTION,
     EngineSetup,

@@ -15,12 +15,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from relax_core.config import EvalSetConfig, RelaxConfig
-from relax_core.data import load_prompts
+from relax_core.config.schema import EvalSetConfig, RelaxConfig
+from relax_core.data.prompts import load_prompts
 from relax_core.engines.base import SamplingParams
 from relax_core.errors import RelaxUserError, RunFailedError
-from relax_core.eval_metrics import answer_key, length_stats, sampled_metrics
-from relax_core.health import apply_reward
+from relax_core.evaluation.metrics import answer_key, length_stats, sampled_metrics
+from relax_core.resilience.health import apply_reward
 from relax_core.samples import PromptRecord, Sample
 from relax_rewards.config import RewardConfig
 from relax_rewards.executor import RewardExecutor, RewardItem

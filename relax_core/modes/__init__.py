@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from relax_core.config.options import Option
 from relax_core.modes.base import Mode, RoleGroups, RunContext
-from relax_core.options import Option
 
 MODES = Option(
     "mode.name",

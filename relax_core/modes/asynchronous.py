@@ -33,31 +33,31 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from relax_core import handles
-from relax_core.algorithm_roles import dynamic_sampling_metrics
+from relax_core.algorithms.sampling_rules import dynamic_sampling_metrics
 from relax_core.algorithms.spec import requirements
 from relax_core.databus import BUS_CPUS, DATABUSES, DataBus, DataBusDown, partition_name, start_databus
 from relax_core.databus.records import FORWARD_FIELDS, SAMPLE_FIELDS
 from relax_core.databus.stages import BusStep
 from relax_core.engines.base import SamplingParams
 from relax_core.errors import ClusterTooSmall, RelaxUserError
-from relax_core.health import ACTOR_FAILURES, GlobalRestartNeeded
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics, split_evenly
-from relax_core.placement import actor_world_size, helper_ranks, rank_envs, reserve
-from relax_core.ray_groups import RoleGroup, actor_class
+from relax_core.resilience.health import ACTOR_FAILURES, GlobalRestartNeeded
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
 from relax_core.roles.critic import Critic
 from relax_core.roles.reference import Reference
 from relax_core.roles.teacher import Teacher
-from relax_core.rollout_pool import Member, RolloutPool
+from relax_core.rollout.pool import Member, RolloutPool
+from relax_core.runtime import handles
+from relax_core.runtime.groups import RoleGroup, actor_class
+from relax_core.runtime.placement import actor_world_size, helper_ranks, rank_envs, reserve
 from relax_core.samples import PromptRecord, RolloutRound, Sample
 from relax_core.weight_transfer import WeightTransfer
 
 if TYPE_CHECKING:
     import ray
 
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
 
 log = logging.getLogger("relax")
 # a role's process, or one of the data bus's, died under a call
@@ -734,7 +734,7 @@ def overlap_metrics(rollout_s: float, busy_s: float, publish_s: float, interval_
 
 
 def validate_async(cfg: RelaxConfig) -> None:
-    """Rules of ``mode=async`` that types cannot express (called from :func:`relax_core.validation.validate`)."""
+    """Rules of ``mode=async`` that types cannot express (called from :func:`relax_core.preflight.validation.validate`)."""
     m = cfg.mode
     across_processes = [
         name for name in DATABUSES.names() if BUS_CPUS[name]

@@ -15,14 +15,14 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from relax_core.algorithms.spec import Requirements
-from relax_core.data import PromptStream
+from relax_core.data.prompts import PromptStream
 from relax_core.engines.base import SamplingParams
-from relax_core.placement import actor_world_size
-from relax_core.ray_groups import RoleGroup
+from relax_core.runtime.groups import RoleGroup
+from relax_core.runtime.placement import actor_world_size
 from relax_core.samples import PromptRecord, Sample
 
 if TYPE_CHECKING:
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
 
 StepMetrics = dict[str, float]
 
@@ -70,7 +70,7 @@ class Mode(abc.ABC):
         # set by the run loop: whether a checkpoint is due after a step (a mode with steps in flight holds
         # its stateful roles at that step until the checkpoint is written)
         self.checkpoint_due: Callable[[int], bool] = lambda step: False
-        self.judge = None  # reward.judge: the genrm judge engines (relax_core/judge.py)
+        self.judge = None  # reward.judge: the genrm judge engines (relax_core/rollout/judge.py)
 
     @abc.abstractmethod
     def start(self) -> RoleGroups:
@@ -99,8 +99,8 @@ class Mode(abc.ABC):
     def start_judge(self) -> None:
         """``reward.judge``: start the judge engines first, so the reward workers get their URL."""
         if self.cfg.reward.judge is None or not self.cfg.reward.judge.managed:
-            return  # relax_core.judge (and its HTTP server's packages) loads only for a managed judge
-        from relax_core.judge import start_judge
+            return  # relax_core.rollout.judge (and its HTTP server's packages) loads only for a managed judge
+        from relax_core.rollout.judge import start_judge
 
         self.judge = start_judge(self.cfg)
 
@@ -113,7 +113,7 @@ class Mode(abc.ABC):
         """A replica of ``role`` was restarted in place: bring it to the weights it held (modes add the
         policy followers)."""
         if role == "reference" and self.reference_copy is not None:
-            from relax_core import handles
+            from relax_core.runtime import handles
 
             handles.get(handle.load_checkpoint.remote(self.reference_copy))
 

@@ -13,13 +13,20 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from relax_core import handles
-from relax_core.algorithm_roles import collect_with_dynamic_sampling
+from relax_core.algorithms.sampling_rules import collect_with_dynamic_sampling
 from relax_core.algorithms.spec import needs_old_logprobs
 from relax_core.engines import ENGINES
 from relax_core.engines.base import SamplingParams
 from relax_core.modes.base import Mode, RoleGroups, StepMetrics, reward_metrics
-from relax_core.placement import (
+from relax_core.roles.actor import Actor
+from relax_core.roles.advantages import Advantages
+from relax_core.roles.critic import Critic
+from relax_core.roles.reference import Reference
+from relax_core.roles.teacher import Teacher
+from relax_core.rollout.pool import RolloutPool
+from relax_core.runtime import handles
+from relax_core.runtime.groups import RoleGroup, SharedProcesses
+from relax_core.runtime.placement import (
     actor_world_size,
     bundle_nodes,
     colocate_bundles,
@@ -27,13 +34,6 @@ from relax_core.placement import (
     rank_envs,
     reserve,
 )
-from relax_core.ray_groups import RoleGroup, SharedProcesses
-from relax_core.roles.actor import Actor
-from relax_core.roles.advantages import Advantages
-from relax_core.roles.critic import Critic
-from relax_core.roles.reference import Reference
-from relax_core.roles.teacher import Teacher
-from relax_core.rollout_pool import RolloutPool
 from relax_core.samples import PromptRecord, Sample, TrainBatch
 from relax_core.weight_transfer import WeightTransfer
 
@@ -61,7 +61,7 @@ class ColocateMode(Mode):
         world = actor_world_size(t)
         sharded = set(needs.model_roles) if helper_ranks(t) > 1 else set()
         bundles = colocate_bundles(r, t)
-        # cluster=in_process: no Ray, every role an object in this process (relax_core/handles.py)
+        # cluster=in_process: no Ray, every role an object in this process (relax_core/runtime/handles.py)
         self.pg = None if cfg.cluster.name == "in_process" else reserve(bundles, "relax-colocate")
         shared = SharedProcesses(self.pg, "actor-rollout", ["actor", "rollout"]) if self._fuse() else None
         actor_args = (cfg, self.ctx.model_path)

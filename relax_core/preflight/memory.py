@@ -461,7 +461,7 @@ def _activations(
 
 def _one_micro_batch(cfg: Any, rows: float) -> bool:
     """Whether a rank's rows of an optimizer step fit in one micro-batch of ``rows``."""
-    from relax_core.placement import data_parallel_size
+    from relax_core.runtime.placement import data_parallel_size
 
     r = cfg.rollout
     return math.ceil(r.batch_size * r.n_samples_per_prompt / data_parallel_size(cfg.trainer)) <= rows
@@ -619,7 +619,7 @@ def _decodes_fused(family: str, modality: str) -> bool:
 
 
 def judge_memory(cfg: Any) -> RoleMemory | None:
-    """One managed GenRM judge engine (``reward.judge``, relax_core/judge.py): the torch engine's weights and
+    """One managed GenRM judge engine (``reward.judge``, relax_core/rollout/judge.py): the torch engine's weights and
     a dense KV cache of up to ``reward.judge.max_running`` rows, each a policy row plus the verdict's tokens
     (the template's own words are not counted); None without a managed judge."""
     judge = cfg.reward.judge
@@ -630,7 +630,7 @@ def judge_memory(cfg: Any) -> RoleMemory | None:
     if judge.path:
         arch, _ = model_arch(SimpleNamespace(path=judge.path, tiny=None, name=judge.path))
     else:
-        from relax_core.judge import tiny_judge_spec
+        from relax_core.rollout.judge import tiny_judge_spec
 
         tiny = tiny_judge_spec(judge.model)[1]
         arch, _ = model_arch(SimpleNamespace(path=None, tiny=tiny, name=judge.model))
@@ -652,7 +652,7 @@ def judge_memory(cfg: Any) -> RoleMemory | None:
 def _placement(cfg: Any) -> list[list[tuple[str, str, float]]]:
     """Roles per GPU bundle: (kind, name, GPUs asked). Mirrors placement.colocate_bundles/gpu_bundles."""
     from relax_core.algorithms.spec import requirements
-    from relax_core.placement import actor_world_size, helper_ranks
+    from relax_core.runtime.placement import actor_world_size, helper_ranks
 
     r, t = cfg.rollout, cfg.trainer
     world, helpers = actor_world_size(t), helper_ranks(t)
@@ -734,7 +734,8 @@ def estimate(cfg: Any) -> MemoryReport:
                     rank_gpu = target
                 target.roles.append(memory)
         judge = judge_memory(cfg)
-        if judge is not None and cfg.reward.judge.num_gpus:  # bundles of their own (relax_core/judge.py)
+        # bundles of their own (relax_core/rollout/judge.py)
+        if judge is not None and cfg.reward.judge.num_gpus:
             for i in range(cfg.reward.judge.num_engines):
                 engine = RoleMemory(f"{judge.role} {i}", judge.items | {"runtime": GPU_RUNTIME_BYTES})
                 place(min(cfg.reward.judge.num_gpus, 1.0)).roles.append(engine)

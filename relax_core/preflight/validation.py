@@ -11,7 +11,7 @@ from relax_core.errors import RelaxUserError
 from relax_core.weight_transfer import STRATEGIES
 
 if TYPE_CHECKING:
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
     from relax_rewards.config import RewardConfig
 
 
@@ -90,7 +90,7 @@ def validate(cfg: RelaxConfig) -> None:
         probe_rows = None
         # only a custom reward is probed; a generated dataset's first draws are its probe rows
         if cfg.reward._target_ is not None and not d.train_path and d.synthetic:
-            from relax_core.synthetic import first_synthetic_rows
+            from relax_core.data.synthetic import first_synthetic_rows
 
             probe_rows = (f"data.synthetic={d.synthetic}", first_synthetic_rows(d, cfg.seed, NUM_PROBES))
         try:
@@ -101,12 +101,12 @@ def validate(cfg: RelaxConfig) -> None:
         from relax_models.megatron.launch import check_megatron_launch
 
         check_megatron_launch(cfg)
-    from relax_core.multimodal import validate_model_and_modality
-    from relax_core.placement import check_gpus, check_training_ranks
+    from relax_core.data.multimodal import validate_model_and_modality
+    from relax_core.runtime.placement import check_gpus, check_training_ranks
 
     check_training_ranks(cfg)
     check_gpus(cfg)
-    from relax_core.memory import estimate, uses_gpus
+    from relax_core.preflight.memory import estimate, uses_gpus
 
     if uses_gpus(cfg):  # a CPU run is never refused: the doctor prints its per-process figures
         problem = estimate(cfg).problem()
@@ -203,6 +203,6 @@ def validate(cfg: RelaxConfig) -> None:
             f"mode=colocate; mode={cfg.mode.name} generates while it trains: set it false"
         )
     if cfg.control_plane.enabled:
-        from relax_core.http_auth import check_security
+        from relax_core.runtime.http_auth import check_security
 
         check_security(cfg.control_plane.host, cfg.control_plane.token)

@@ -281,7 +281,7 @@ def save_run(roles, manager: CheckpointManager, step: int, driver: dict[str, Any
     """Checkpoint every stateful piece of a run after ``step``: the Actor (model, optimizer, scheduler,
     RNG), the Critic and the Reference's weights when there are, each rollout engine's sampling RNG, and ``driver`` — the run
     loop's own state (data position, metrics history, health counters, mode state)."""
-    from relax_core import handles
+    from relax_core.runtime import handles
 
     def write(tmp: Path) -> dict[str, Any]:
         trainers = roles.actor.call("save_checkpoint", str(tmp / "actor"))
@@ -306,7 +306,7 @@ def restore_run(roles, path: str | os.PathLike, publish: Callable[[int], None]) 
     """Load a checkpoint written by :func:`save_run` into freshly started ``roles``; ``publish(step)`` then
     gives every weight consumer the restored policy, and the rollout engines get their RNG states back.
     Returns the driver state for the run loop to restore."""
-    from relax_core import handles
+    from relax_core.runtime import handles
 
     path = Path(path)
     try:

@@ -29,14 +29,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from relax_core import handles
 from relax_core.errors import ClusterTooSmall, RunFailedError
-from relax_core.ray_errors import GetTimeoutError, RayActorError, WorkerCrashedError
-from relax_core.ray_groups import RoleGroup
+from relax_core.runtime import handles
+from relax_core.runtime.groups import RoleGroup
+from relax_core.runtime.ray_errors import GetTimeoutError, RayActorError, WorkerCrashedError
 from relax_core.weight_transfer.collective import BroadcastPeerLost
 
 if TYPE_CHECKING:
-    from relax_core.config import TrainerConfig
+    from relax_core.config.schema import TrainerConfig
 
 log = logging.getLogger("relax")
 
@@ -364,7 +364,7 @@ class HealthManager:
 
     def global_restart(self, reason: str, checkpoints_root) -> Path:
         """Count a global restart and return the newest checkpoint to restart every role from."""
-        from relax_core.checkpoint import latest_checkpoint
+        from relax_core.resilience.checkpoint import latest_checkpoint
 
         self.begin_global_restart(reason)
         ckpt = latest_checkpoint(checkpoints_root)

@@ -1,4 +1,4 @@
-"""The roles of an RL run, one plain class each (no Ray inside: relax_core/ray_groups.py wraps them)."""
+"""The roles of an RL run, one plain class each (no Ray inside: relax_core/runtime/groups.py wraps them)."""
 
 from __future__ import annotations
 

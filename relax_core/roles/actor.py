@@ -11,23 +11,23 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from relax_core.algorithm_roles import FROZEN_ACTOR_METRICS, critic_warming_up
 from relax_core.algorithms.masked import masked_mean
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
+from relax_core.algorithms.sampling_rules import FROZEN_ACTOR_METRICS, critic_warming_up
 from relax_core.backends import build_backend
 from relax_core.backends.base import SKIPPED_STEPS
 from relax_core.databus import DataBus, PartitionCancelled, partition_name, sample_key
 from relax_core.databus.stages import BusStep, MicroStream, score_stage
 from relax_core.engines import adapter_sync_rank
 from relax_core.errors import nonfinite_weights_error
-from relax_core.placement import actor_world_size, data_parallel_size
 from relax_core.roles import use_threads
+from relax_core.runtime.placement import actor_world_size, data_parallel_size
 from relax_core.samples import TrainBatch
 from relax_core.weight_transfer import WeightReceiver, WeightSource
 from relax_models.loader import load_tokenizer
 
 if TYPE_CHECKING:
-    from relax_core.config import AlgorithmConfig, RelaxConfig
+    from relax_core.config.schema import AlgorithmConfig, RelaxConfig
 
 
 def effective_algorithm(cfg: RelaxConfig) -> AlgorithmConfig:
@@ -65,7 +65,7 @@ class Actor(WeightSource, WeightReceiver):
         self, cfg: RelaxConfig, model_path: str, replica: int = 0, bus: DataBus | None = None
     ) -> None:
         """``replica``: this process's rank in a multi-process Actor group (FSDP data-parallel ranks, or
-        the megatron training world; see ``relax_core.placement.actor_world_size``).
+        the megatron training world; see ``relax_core.runtime.placement.actor_world_size``).
 
         Every rank gets every call with the whole batch and runs it collectively (its backend trains on
         the rank's own slice); only rank 0 returns weights (:meth:`state_dict`), the others an empty dict.

@@ -15,7 +15,7 @@ from relax_core.databus.stages import stream_stage
 from relax_core.samples import TrainBatch
 
 if TYPE_CHECKING:
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
 
 
 def behaviour_logprobs(batch: TrainBatch) -> torch.Tensor:

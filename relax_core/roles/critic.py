@@ -16,7 +16,7 @@ from relax_core.samples import TrainBatch
 from relax_models.loader import load_tokenizer
 
 if TYPE_CHECKING:
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
 
 
 class Critic:

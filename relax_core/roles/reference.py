@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from relax_core.config import MegatronParallelConfig, RelaxConfig
+from relax_core.config.schema import MegatronParallelConfig, RelaxConfig
 from relax_core.databus import DataBus
 from relax_core.roles.scorer import FrozenScorer
 from relax_core.weight_transfer import WeightReceiver

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from relax_core.data.multimodal import MediaPrompts
 from relax_core.databus import DataBus
 from relax_core.databus.stages import BusProducer
 from relax_core.engines import adapter_sync_rank, build_engine
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.engines.resumable import ResumableEngine
-from relax_core.health import apply_reward, mark_reward_error, reward_problem
-from relax_core.multimodal import MediaPrompts
+from relax_core.resilience.health import apply_reward, mark_reward_error, reward_problem
 from relax_core.roles import use_threads
 from relax_core.samples import PromptRecord, Sample, SampleStatus
 from relax_core.weight_transfer import WeightReceiver
@@ -22,7 +22,7 @@ from relax_models.lora import merged_payload
 from relax_rewards.executor import RewardExecutor, RewardItem
 
 if TYPE_CHECKING:
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
 
 FINISH_STATUS = {
     "stop": SampleStatus.COMPLETED,

@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from relax_core.algorithms.masked import masked_mean
-from relax_core.data import render_prompt
+from relax_core.data.prompts import render_prompt
+from relax_core.data.synthetic import SYNTHETIC_TASKS
 from relax_core.databus import DataBus
 from relax_core.errors import RelaxUserError
 from relax_core.roles.scorer import FrozenScorer
 from relax_core.samples import Sample, TrainBatch
-from relax_core.synthetic import SYNTHETIC_TASKS
 from relax_models.cache import build_once, cache_root
 from relax_models.loader import load_tokenizer
 
 if TYPE_CHECKING:
-    from relax_core.config import DataConfig, RelaxConfig, TeacherConfig
+    from relax_core.config.schema import DataConfig, RelaxConfig, TeacherConfig
 
 log = logging.getLogger("relax")
 
@@ -126,7 +126,7 @@ def train_task_teacher(teacher_cfg: TeacherConfig, data_cfg: DataConfig, seed: i
     """Supervised training of a tiny Qwen3 on the synthetic task's (prompt, label) pairs; writes an HF folder.
 
     Loss: token-mean negative log-likelihood of ``label + <eos>`` after the rendered prompt — the same
-    prompt text the student sees (``relax_core.data.render_prompt``). Returns accuracy and timing.
+    prompt text the student sees (``relax_core.data.prompts.render_prompt``). Returns accuracy and timing.
     """
     # imported here: every launch imports this module, few train a teacher (the model code costs ~0.8 s)
     from relax_core.backends.torch_backend import TorchBackend

@@ -3,7 +3,7 @@
 FastAPI in a daemon thread of the driver, bound to 127.0.0.1 unless ``control_plane.host`` says otherwise
 (then ``control_plane.token`` is required and every request must carry ``Authorization: Bearer <token>``).
 The bound port is logged and written to ``<run dir>/control_plane.json``. Scaling calls return a request
-id at once; the work runs in the background (see :mod:`relax_core.rollout_pool`). Bad bodies get a 4xx
+id at once; the work runs in the background (see :mod:`relax_core.rollout.pool`). Bad bodies get a 4xx
 with a message, never a 5xx; the OpenAPI schema is at ``/openapi.json``.
 
     POST /rollout/scale_out        {"num_replicas": N} | {"engine_urls": [...]}, optional "timeout_secs",
@@ -27,11 +27,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax_core.errors import RelaxUserError
-from relax_core.http_auth import check_security, guard
-from relax_core.rollout_pool import RolloutPool, ScaleError
+from relax_core.rollout.pool import RolloutPool, ScaleError
+from relax_core.runtime.http_auth import check_security, guard
 
 if TYPE_CHECKING:
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
 
 log = logging.getLogger("relax")
 

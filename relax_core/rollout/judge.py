@@ -43,17 +43,17 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, HTTPException, Request, Response
 
-from relax_core import handles
 from relax_core.engines.router import Router
 from relax_core.engines.server_process import ServerProcess
 from relax_core.errors import RelaxUserError
-from relax_core.placement import reserve
-from relax_core.ray_errors import GetTimeoutError, RayActorError
-from relax_core.ray_groups import RoleGroup
+from relax_core.runtime import handles
+from relax_core.runtime.groups import RoleGroup
+from relax_core.runtime.placement import reserve
+from relax_core.runtime.ray_errors import GetTimeoutError, RayActorError
 from relax_models.ports import free_port
 
 if TYPE_CHECKING:
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
     from relax_rewards.config import JudgeConfig
 
 log = logging.getLogger("relax")

@@ -30,17 +30,17 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from relax_core import handles
 from relax_core.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from relax_core.engines.router import Router
-from relax_core.ray_groups import RoleGroup, SharedProcesses, actor_class
 from relax_core.roles.rollout import Rollout
+from relax_core.runtime import handles
+from relax_core.runtime.groups import RoleGroup, SharedProcesses, actor_class
 from relax_core.samples import PromptRecord, Sample, SampleStatus
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
 
 log = logging.getLogger("relax")
 # weight-transfer sets of elastic engines that the launch engines' channels do not reach, each an open

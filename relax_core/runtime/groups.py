@@ -5,7 +5,7 @@ of its own role class inside one Ray actor, reached through a :class:`RoleHandle
 actor handle. Colocate uses it to run the Actor and its rollout engine in one process.
 
 Without a placement group (``cluster=in_process``, no Ray) a group's replicas are objects in this process
-behind :class:`~relax_core.handles.InProcessActor` handles.
+behind :class:`~relax_core.runtime.handles.InProcessActor` handles.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from relax_core import handles
-from relax_core.placement import gpu_env
+from relax_core.runtime import handles
+from relax_core.runtime.placement import gpu_env
 
 if TYPE_CHECKING:
     import ray

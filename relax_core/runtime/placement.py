@@ -257,7 +257,7 @@ def gpu_bundles(cfg: Any) -> list[float]:
     in colocate)."""
     r, t = cfg.rollout, cfg.trainer
     judge = cfg.reward.judge
-    # the judge engines' bundles (relax_core/judge.py's placement group relax-judge)
+    # the judge engines' bundles (relax_core/rollout/judge.py's placement group relax-judge)
     judges = (
         [judge.num_gpus] * judge.num_engines if judge is not None and judge.managed and judge.num_gpus else []
     )

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from relax_core.errors import RelaxUserError, disk_full
 
 if TYPE_CHECKING:
-    from relax_core.config import LoggerConfig, RelaxConfig
+    from relax_core.config.schema import LoggerConfig, RelaxConfig
 
 log = logging.getLogger("relax")
 
@@ -330,7 +330,7 @@ class MetricsSink:
 
     def set_points(self) -> dict[tuple[str, str], list[tuple[int, float]]]:
         """(set, metric) -> (step, value) for every eval set's greedy accuracy and its pass@k / maj@k at the
-        largest k (``eval/<set>/...``, relax_core/evaluation.py); the primary set's accuracy is the red line,
+        largest k (``eval/<set>/...``, relax_core/evaluation/evaluator.py); the primary set's accuracy is the red line,
         and the untrained model's ``..._init`` figures stay out of the plot."""
         points: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for r in self.history:

@@ -9,14 +9,14 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from relax_core import handles
+from relax_core.runtime import handles
 from relax_core.weight_transfer.base import TRANSPORTS, TransferStats, WeightReceiver, WeightSource, transport
 from relax_core.weight_transfer.channel import Layout, layout_of, plan_buckets
 
 if TYPE_CHECKING:
     import ray
 
-    from relax_core.config import WeightTransferConfig
+    from relax_core.config.schema import WeightTransferConfig
 
 log = logging.getLogger("relax")
 
@@ -288,8 +288,8 @@ def consumer_strategies(
 
 def same_process(a: Any, b: Any) -> bool:
     """Whether two role handles reach roles sharing one process: the roles of one Ray actor
-    (:class:`~relax_core.ray_groups.RoleHandle`), or objects in this process (``cluster=in_process``)."""
-    from relax_core.ray_groups import RoleHandle
+    (:class:`~relax_core.runtime.groups.RoleHandle`), or objects in this process (``cluster=in_process``)."""
+    from relax_core.runtime.groups import RoleHandle
 
     if isinstance(a, handles.InProcessActor) and isinstance(b, handles.InProcessActor):
         return True

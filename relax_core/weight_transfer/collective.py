@@ -64,7 +64,7 @@ class BroadcastPeerLost(RuntimeError):
 def gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
     """A gloo group whose members advertise the interface holding their Ray node IP where the hostname
     resolves elsewhere (often loopback, which members on other nodes cannot reach)."""
-    from relax_core.placement import gloo_interface
+    from relax_core.runtime.placement import gloo_interface
 
     interface = None
     try:
@@ -141,7 +141,7 @@ class CollectiveTransport(Transport):
     fixed_members = True
 
     def spec(self, transfer: WeightTransfer, set_name: str, consumers: list[Any]) -> SyncSpec:
-        from relax_core import handles
+        from relax_core.runtime import handles
 
         source = transfer.source.actors[0]
         host, port = handles.get(source.free_address.remote())

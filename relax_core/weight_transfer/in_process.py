@@ -1,5 +1,5 @@
 """``in_process``: the consumer lives in the source's process (colocate's Actor and rollout engine sharing
-one process, :class:`relax_core.ray_groups.SharedProcesses`). The source leaves its state dict in this
+one process, :class:`relax_core.runtime.groups.SharedProcesses`). The source leaves its state dict in this
 process and the consumer loads from those very tensors: nothing is serialised, mapped or sent.
 
 ``weight_transfer=auto`` picks it by itself when every consumer shares the source's process; it is not a

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-from relax_core.options import Option
+from relax_core.config.options import Option
 from relax_core.weight_transfer.channel import layout_of, plan_buckets
 from relax_core.weight_transfer.disk import save_weights_folder
 

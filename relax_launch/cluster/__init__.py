@@ -1,12 +1,12 @@
 """Where a run's Ray cluster comes from: one launcher per ``cluster`` option (conf/cluster/*.yaml).
 
-Each option has its own module, launcher class and config schema (relax_core/config.py); the ``cluster``
+Each option has its own module, launcher class and config schema (relax_core/config/schema.py); the ``cluster``
 config group validates an option's fields against its schema (relax_launch/cli.py registers them).
 """
 
 from __future__ import annotations
 
-from relax_core.config import ClusterConfig
+from relax_core.config.schema import ClusterConfig
 from relax_core.errors import RelaxUserError
 from relax_launch.cluster.base import ClusterLauncher
 from relax_launch.cluster.in_process import SingleProcessLauncher

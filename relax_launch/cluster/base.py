@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
-from relax_core.config import ClusterConfig
+from relax_core.config.schema import ClusterConfig
 from relax_core.errors import RelaxUserError
 from relax_launch.experiment import Experiment, Summary
 

@@ -1,7 +1,7 @@
 """``cluster=in_process``: no Ray at all; every role is an object in this process.
 
 The roles, the mode and the run loop are the same as on a Ray cluster: role groups are built from
-:class:`~relax_core.handles.InProcessActor` handles instead of Ray actors, and the Actor hands its weights
+:class:`~relax_core.runtime.handles.InProcessActor` handles instead of Ray actors, and the Actor hands its weights
 to the rollout engine in memory (``in_process`` weight transfer). In ``mode=async`` each role runs its calls
 on threads of its own and samples move through the in-memory bus (``mode.databus=memory``). What needs
 several processes is refused up front with the setting to change.
@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from relax_core.config import InProcessClusterConfig
+from relax_core.config.schema import InProcessClusterConfig
 from relax_core.errors import RelaxUserError
 from relax_launch.cluster.base import InProcessLauncher
 from relax_launch.experiment import Experiment, Summary
@@ -24,7 +24,7 @@ log = logging.getLogger("relax")
 
 def check_single_process(cfg: DictConfig) -> None:
     """One error naming the first setting that needs more than one process."""
-    from relax_core.placement import actor_world_size
+    from relax_core.runtime.placement import actor_world_size
 
     r, t = cfg.rollout, cfg.trainer
     # key: (value in this run, the value a single process needs, why), as a user writes them

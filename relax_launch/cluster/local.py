@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from relax_core.config import LocalClusterConfig
+from relax_core.config.schema import LocalClusterConfig
 from relax_launch.cluster.base import RAY_INIT_ARGS, InProcessLauncher, log_resources
 
 log = logging.getLogger("relax")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relax_core.config import RayClusterConfig
+from relax_core.config.schema import RayClusterConfig
 from relax_launch.cluster.base import InProcessLauncher, attach_ray
 
 

@@ -14,7 +14,7 @@ import time
 
 from omegaconf import DictConfig
 
-from relax_core.config import SlurmAllocationConfig
+from relax_core.config.schema import SlurmAllocationConfig
 from relax_core.errors import RelaxUserError
 from relax_launch.cluster.base import ClusterLauncher, attach_ray
 from relax_launch.cluster.slurm_bootstrap import bootstrap_ray_in_allocation, stop_ray

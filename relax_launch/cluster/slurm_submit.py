@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from relax_core.config import RelaxConfig, SlurmClusterConfig
+from relax_core.config.schema import RelaxConfig, SlurmClusterConfig
 from relax_core.errors import RelaxUserError
 from relax_launch.cluster.base import ClusterLauncher
 from relax_launch.cluster.slurm_allocation import inside_slurm_job, run_over_allocation
@@ -142,7 +142,7 @@ class SlurmRun:
         """Stop at the end of the current step (the loop saves a checkpoint), then requeue with resume=auto."""
         import submitit
 
-        from relax_core.checkpoint import STOP_REQUEST
+        from relax_core.resilience.checkpoint import STOP_REQUEST
 
         log.warning("checkpoint signal: saving at the end of the current step, then requeueing")
         STOP_REQUEST.set()

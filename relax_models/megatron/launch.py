@@ -2,7 +2,7 @@
 
 The training world of one Actor group is the smallest number of processes every megatron parallel
 dimension and ``trainer.dp_size`` replicas fit in (:func:`training_world_size`). Each process is one Actor
-rank and gets the ``torch.distributed`` rank environment from ``relax_core.placement.rank_env`` (the
+rank and gets the ``torch.distributed`` rank environment from ``relax_core.runtime.placement.rank_env`` (the
 ranks meet wherever Ray puts them: ``join_rendezvous``); the ranks of one data-parallel replica share a
 slice of each batch, the replicas split it.
 """

@@ -4,7 +4,7 @@ The judge is either an object passed as ``judge`` (in the reward kwargs or ``met
 anything with a ``generate_text(prompt) -> str`` method or a plain callable ``prompt -> str``; or a
 ``url`` of a server speaking the SGLang-native ``/generate`` API (``{"text", "sampling_params"}`` ->
 ``{"text"}``), e.g. the router over the judge engines a run starts itself (``reward.judge``,
-relax_core/judge.py). With a process pool the judge object must be picklable; a URL always is.
+relax_core/rollout/judge.py). With a process pool the judge object must be picklable; a URL always is.
 
 The verdict is ``verdict_pattern``'s first group (or whole match) in the reply after any ``</think>``;
 ``correct_verdict`` scores 1, any other verdict 0. A reply without a verdict scores 0 and counts as

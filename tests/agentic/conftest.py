@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tiny_dims import SMALL_DIMS
 
-from relax_core.config import DataConfig, RolloutConfig
+from relax_core.config.schema import DataConfig, RolloutConfig
 from relax_core.samples import PromptRecord
 
 TINY = {**SMALL_DIMS, "tie_word_embeddings": False}

@@ -21,7 +21,7 @@ from relax_core.agentic.tasks import calc_chat_row, calc_tools_row
 from relax_core.agentic.tools import assistant_text
 from relax_core.agentic.validation import validate_agent_program
 from relax_core.agentic.warmstart import demo_samples
-from relax_core.config import AgentProgramConfig, DataConfig, RelaxConfig
+from relax_core.config.schema import AgentProgramConfig, DataConfig, RelaxConfig
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord
 

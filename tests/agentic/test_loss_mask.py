@@ -8,7 +8,7 @@ import torch
 from relax_core.agentic.warmstart import expert_samples
 from relax_core.algorithms.masked import masked_mean
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective
-from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relax_core.config.schema import AlgorithmConfig, ModelConfig, TrainerConfig
 from relax_core.samples import TrainBatch
 from tests.agentic.conftest import calc_prompts, rollout_cfg
 

@@ -110,7 +110,7 @@ def test_agent_loop_over_http_records_masked_trajectories(server, tokenizer, tin
     assert [s.index_in_group for s in samples] == [0, 1, 2, 3]
 
     # the recorded trajectories train like environment episodes: one real Actor step
-    from relax_core.config import RelaxConfig
+    from relax_core.config.schema import RelaxConfig
     from relax_core.roles.actor import Actor
 
     cfg = RelaxConfig()

@@ -13,7 +13,7 @@ from relax_core.agentic import MultiTurnRunner
 from relax_core.agentic.lookup import LookupService, lookup_value
 from relax_core.agentic.tasks import lookup_row
 from relax_core.agentic.warmstart import expert_policy
-from relax_core.config import DataConfig
+from relax_core.config.schema import DataConfig
 from relax_core.modes.base import reward_metrics
 from relax_core.samples import PromptRecord, SampleStatus
 from tests.agentic.conftest import rollout_cfg

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from relax_core.errors import RelaxUserError
-from relax_core.validation import validate
+from relax_core.preflight.validation import validate
 from relax_launch.cli import composition_problem
 from tests.core.conftest import typed_config
 

@@ -18,7 +18,7 @@ from relax_core.algorithms.advantages import (
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, truncated_is_weights
 from relax_core.algorithms.shaping import groups_with_spread, overlong_penalty
 from relax_core.algorithms.value import clipped_value_loss
-from relax_core.config import AlgorithmConfig
+from relax_core.config.schema import AlgorithmConfig
 from relax_core.samples import Sample, TrainBatch
 
 

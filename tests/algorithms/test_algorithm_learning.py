@@ -37,8 +37,8 @@ SMALL_RUN = [
 
 
 def run_algorithm(name: str, out_dir, extra: list[str]) -> tuple[dict, list[dict]]:
+    from relax_core.preflight.validation import validate
     from relax_core.run_loop import RunLoop
-    from relax_core.validation import validate
 
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
         cfg = compose("config", overrides=[f"algorithm={name}", *SMALL_RUN, *extra])

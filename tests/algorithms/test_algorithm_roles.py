@@ -9,8 +9,8 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from relax_core.algorithm_roles import collect_with_dynamic_sampling, critic_warming_up
-from relax_core.config import DataConfig, TeacherConfig
+from relax_core.algorithms.sampling_rules import collect_with_dynamic_sampling, critic_warming_up
+from relax_core.config.schema import DataConfig, TeacherConfig
 from relax_core.errors import RelaxUserError
 from relax_core.roles.advantages import Advantages
 from relax_core.roles.critic import Critic

@@ -26,7 +26,7 @@ from relax_core.algorithms.spec import (
     requirements,
 )
 from relax_core.errors import RelaxUserError
-from relax_core.validation import validate
+from relax_core.preflight.validation import validate
 from tests.core.conftest import typed_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "algorithm"

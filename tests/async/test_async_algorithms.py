@@ -44,8 +44,8 @@ def compose_cfg(out_dir, *overrides: str):
 
 
 def run_async(out_dir, *overrides: str) -> tuple[dict, list[dict]]:
+    from relax_core.preflight.validation import validate
     from relax_core.run_loop import RunLoop
-    from relax_core.validation import validate
 
     cfg = compose_cfg(out_dir, *overrides)
     config = OmegaConf.to_object(cfg)

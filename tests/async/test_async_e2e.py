@@ -17,7 +17,7 @@ import launching
 import psutil
 import pytest
 
-from relax_core.rollout_pool import TERMINAL
+from relax_core.rollout.pool import TERMINAL
 from relax_models.ports import free_port
 
 pytestmark = pytest.mark.slow

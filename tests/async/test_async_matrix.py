@@ -158,7 +158,7 @@ def test_media_for_http_engines_are_refused_up_front(engine: str, tmp_path: Path
     from relax_core.engines.base import GenerationRequest, SamplingParams
     from relax_core.engines.client import HttpEngine
     from relax_core.errors import RelaxUserError
-    from relax_core.validation import validate
+    from relax_core.preflight.validation import validate
 
     cfg = compose_config(
         ["experiment=audio_tones_tiny_omni", f"rollout={engine}", "rollout.num_gpus=0"], tmp_path

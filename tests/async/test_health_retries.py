@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from relax_core.health import GlobalRestartNeeded, HealthManager, RunFailedError
+from relax_core.resilience.health import GlobalRestartNeeded, HealthManager, RunFailedError
 
 
 @ray.remote

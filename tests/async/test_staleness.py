@@ -77,7 +77,7 @@ def test_async_config_errors_name_the_key(tmp_path, overrides: list[str], messag
 
     import relax_launch.cli  # noqa: F401  (registers the schema)
     from relax_core.errors import RelaxUserError
-    from relax_core.validation import validate
+    from relax_core.preflight.validation import validate
 
     with initialize_config_module("relax_launch.conf", version_base="1.3"):
         cfg = OmegaConf.to_object(compose("config", overrides=["mode=async", *overrides]))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from relax_core.data import generate_synthetic, load_prompts
+from relax_core.data.prompts import generate_synthetic, load_prompts
 from relax_core.databus import InMemoryDataBus, partition_name
 from relax_core.databus.records import SAMPLE_FIELDS
 from relax_core.roles.rollout import Rollout

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_core.config import WeightTransferConfig
+from relax_core.config.schema import WeightTransferConfig
 from relax_core.weight_transfer import WeightReceiver, WeightSource, WeightTransfer, layout_of, plan_buckets
 
 
@@ -184,7 +184,7 @@ def test_auto_hands_weights_over_in_process_to_a_consumer_sharing_the_source_pro
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from relax_core.ray_groups import RoleGroup, SharedProcesses
+    from relax_core.runtime.groups import RoleGroup, SharedProcesses
     from relax_core.weight_transfer import consumer_strategies
 
     pg = placement_group([{"CPU": 0.2}])

@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from relax_core.control_plane import create_app
 from relax_core.engines.http_server import ServerThread
 from relax_core.errors import RelaxUserError
-from relax_core.http_auth import check_security
+from relax_core.rollout.control_plane import create_app
+from relax_core.runtime.http_auth import check_security
 
 
 def test_token_openapi_and_validation_without_a_job() -> None:
@@ -41,13 +41,13 @@ class _RecordingPool:
     """Stands in for the run's rollout pool (a Ray cluster) only to record what the control plane asks."""
 
     def __init__(self) -> None:
-        from relax_core.config import RelaxConfig
+        from relax_core.config.schema import RelaxConfig
 
         self.cfg = RelaxConfig()
         self.calls: list[tuple] = []
 
     def scale_out(self, *args):
-        from relax_core.rollout_pool import ScaleError
+        from relax_core.rollout.pool import ScaleError
 
         self.calls.append(args)
         raise ScaleError(409, "recorded")

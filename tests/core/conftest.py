@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import relax_launch.cli  # also registers the structured-config schema with Hydra
-from relax_core.config import RelaxConfig
+from relax_core.config.schema import RelaxConfig
 
 
 def compose_config(overrides: list[str], output_dir: str | Path = ".") -> RelaxConfig:

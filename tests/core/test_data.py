@@ -10,8 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from relax_core.config import DataConfig
-from relax_core.data import PromptStream, dataset_paths, generate_synthetic, load_prompts
+from relax_core.config.schema import DataConfig
+from relax_core.data.prompts import PromptStream, dataset_paths, generate_synthetic, load_prompts
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord
 

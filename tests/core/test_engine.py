@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
-from relax_core.config import ModelConfig, TrainerConfig
+from relax_core.config.schema import ModelConfig, TrainerConfig
 from relax_core.engines import build_engine
 from relax_core.engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from relax_core.errors import RelaxUserError

@@ -14,11 +14,11 @@ from ray import cloudpickle
 from ray.util.placement_group import remove_placement_group
 from tiers import heavy
 
-from relax_core.config import WeightTransferConfig
+from relax_core.config.schema import WeightTransferConfig
 from relax_core.errors import RelaxUserError
-from relax_core.placement import reserve
-from relax_core.ray_groups import RoleGroup, SharedProcesses
-from relax_core.validation import validate
+from relax_core.preflight.validation import validate
+from relax_core.runtime.groups import RoleGroup, SharedProcesses
+from relax_core.runtime.placement import reserve
 from relax_core.weight_transfer import WeightTransfer
 from relax_core.weight_transfer.base import TRANSPORTS, WeightReceiver, WeightSource
 

@@ -8,8 +8,8 @@ import threading
 import pytest
 import ray
 
-from relax_core import handles
-from relax_core.ray_groups import RoleGroup
+from relax_core.runtime import handles
+from relax_core.runtime.groups import RoleGroup
 from relax_core.weight_transfer import same_process
 
 

@@ -15,7 +15,7 @@ from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM
 
 from relax_core.backends.torch_backend import TorchBackend
-from relax_core.config import LoRAConfig, ModelConfig, TrainerConfig
+from relax_core.config.schema import LoRAConfig, ModelConfig, TrainerConfig
 from relax_core.errors import RelaxUserError
 from relax_core.run_loop import RunLoop
 from relax_core.samples import Sample, TrainBatch

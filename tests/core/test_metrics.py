@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from selection import selected
 
 from relax_core.errors import RelaxUserError
-from relax_core.metrics import MetricsSink, check_tracking_server, flatten, format_step_line
+from relax_core.telemetry.metrics import MetricsSink, check_tracking_server, flatten, format_step_line
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

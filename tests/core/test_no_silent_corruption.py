@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_core.checkpoint import CheckpointManager, save_run
-from relax_core.data import generate_synthetic, load_prompts
+from relax_core.data.prompts import generate_synthetic, load_prompts
 from relax_core.databus import InMemoryDataBus
-from relax_core.health import RunFailedError
 from relax_core.modes.base import ERROR_EXAMPLE, RoleGroups, reward_metrics
-from relax_core.ray_groups import RoleGroup
+from relax_core.resilience.checkpoint import CheckpointManager, save_run
+from relax_core.resilience.health import RunFailedError
 from relax_core.roles.actor import Actor
 from relax_core.roles.rollout import Rollout
 from relax_core.run_loop import RunLoop
+from relax_core.runtime.groups import RoleGroup
 from relax_core.samples import Sample, TrainBatch
 from relax_models.loader import load_tokenizer
 
@@ -120,7 +120,7 @@ def test_a_run_whose_weights_diverge_writes_no_final_model(make_cfg, tiny_model_
 
 
 def test_guard_stops_after_consecutive_bad_steps(make_cfg):
-    from relax_core.health import TrainingGuard
+    from relax_core.resilience.health import TrainingGuard
 
     t = make_cfg("trainer.total_steps=10").trainer
     guard = TrainingGuard(t)

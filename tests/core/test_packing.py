@@ -11,7 +11,7 @@ import torch
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
 from relax_core.backends.base import token_budget_groups
 from relax_core.backends.torch_backend import TorchBackend
-from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relax_core.config.schema import AlgorithmConfig, ModelConfig, TrainerConfig
 from relax_core.errors import RelaxUserError
 from relax_core.samples import Sample, TrainBatch
 
@@ -78,7 +78,7 @@ def test_packed_matches_padded_logprobs_loss_and_gradients(tiny_model_dir: Path,
 
 @pytest.mark.parametrize("override", ["trainer.max_tokens_per_micro_batch=0", "trainer=megatron"])
 def test_token_budget_refused_where_it_does_not_apply(make_cfg, override: str) -> None:
-    from relax_core.validation import validate
+    from relax_core.preflight.validation import validate
 
     cfg = make_cfg("trainer.max_tokens_per_micro_batch=512", override)
     with pytest.raises(RelaxUserError, match="trainer.max_tokens_per_micro_batch=.*set it to null"):

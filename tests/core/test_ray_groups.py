@@ -16,7 +16,7 @@ from ray import cloudpickle
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from tiers import heavy
 
-from relax_core.ray_groups import RoleGroup, SharedProcesses
+from relax_core.runtime.groups import RoleGroup, SharedProcesses
 
 # the workers cannot import this test module by name: ship its classes by value
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

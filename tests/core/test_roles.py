@@ -1,4 +1,4 @@
-"""Roles in-process, without Ray: they are plain classes (Ray wraps them only in ray_groups.py)."""
+"""Roles in-process, without Ray: they are plain classes (Ray wraps them only in runtime/groups.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_core.data import generate_synthetic, load_prompts
+from relax_core.data.prompts import generate_synthetic, load_prompts
 from relax_core.roles.actor import Actor
 from relax_core.roles.advantages import Advantages
 from relax_core.roles.reference import Reference

@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from relax_core.backends.torch_backend import TorchBackend
-from relax_core.config import ModelConfig, TrainerConfig
+from relax_core.config.schema import ModelConfig, TrainerConfig
 from relax_core.databus import InMemoryDataBus, partition_name
 from relax_core.databus.ray_bus import pack, unpack
 from relax_core.databus.records import FORWARD_FIELDS, SAMPLE_FIELDS, batch_from_rows, get_rows, sample_rows
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.torch_engine import TorchEngine
 from relax_core.errors import RelaxUserError
+from relax_core.preflight.validation import validate
 from relax_core.samples import Sample, TrainBatch
-from relax_core.validation import validate
 from relax_models.loader import load_causal_lm, load_tokenizer
 from relax_models.routing_replay import moe_routers, not_recorded, record_routing
 from relax_models.tiny_multimodal import build_tiny_qwen3_moe

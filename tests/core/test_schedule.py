@@ -9,9 +9,9 @@ from omegaconf import OmegaConf
 
 import relax_launch.cli  # noqa: F401  (registers the schema)
 from relax_core.backends.schedule import lr_multiplier
-from relax_core.config import TrainerConfig
+from relax_core.config.schema import TrainerConfig
 from relax_core.errors import RelaxUserError
-from relax_core.validation import validate
+from relax_core.preflight.validation import validate
 
 
 def test_linear_decay_to_zero_without_warm_up_matches_trl_default() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from relax_core.config import RelaxConfig
-from relax_core.metrics import MetricsSink
+from relax_core.config.schema import RelaxConfig
+from relax_core.telemetry.metrics import MetricsSink
 
 
 def test_tensorboard_sink_writes_scalars_and_config(tmp_path):

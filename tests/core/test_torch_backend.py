@@ -13,7 +13,7 @@ from relax_core.algorithms.objective import micro_batch_weight, policy_objective
 from relax_core.backends import build_backend
 from relax_core.backends.shared_prompts import prompt_groups
 from relax_core.backends.torch_backend import TorchBackend
-from relax_core.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relax_core.config.schema import AlgorithmConfig, ModelConfig, TrainerConfig
 from relax_core.errors import RelaxUserError
 from relax_core.samples import Sample, TrainBatch
 from relax_models.loader import load_tokenizer
@@ -239,7 +239,7 @@ def test_unknown_backend_is_a_user_error(tiny_model_dir: Path) -> None:
 
 
 def test_iter_weights_streams_the_state_dict_in_bounded_buckets(tiny_model_dir: Path) -> None:
-    from relax_core.placement import role_device
+    from relax_core.runtime.placement import role_device
 
     backend = TorchBackend(str(tiny_model_dir), TRAINER, ModelConfig())
     assert backend.device == role_device()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from relax_core.errors import RelaxUserError
-from relax_core.validation import validate
+from relax_core.preflight.validation import validate
 from relax_models.loader import resolve_model_path
 
 

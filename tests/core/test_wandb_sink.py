@@ -16,8 +16,8 @@ import pytest
 from omegaconf import OmegaConf
 from wandb_reader import items, wandb_records
 
-from relax_core.config import RelaxConfig
-from relax_core.metrics import MetricsSink, wandb_mode
+from relax_core.config.schema import RelaxConfig
+from relax_core.telemetry.metrics import MetricsSink, wandb_mode
 
 
 @pytest.fixture
@@ -84,8 +84,8 @@ def test_runs_without_wandb_import_neither_wandb_nor_optuna(tmp_path):
     code = f"""
 import sys
 import relax_launch.cli
-from relax_core.config import RelaxConfig
-from relax_core.metrics import MetricsSink
+from relax_core.config.schema import RelaxConfig
+from relax_core.telemetry.metrics import MetricsSink
 cfg = RelaxConfig()
 cfg.output_dir, cfg.logger.name, cfg.logger.plot = {str(tmp_path)!r}, "jsonl", False
 sink = MetricsSink(cfg, {{}})

@@ -19,7 +19,7 @@ from engine_helpers import make_engine
 from selection import selected
 from tiers import heavy
 
-from relax_core.config import ModelConfig
+from relax_core.config.schema import ModelConfig
 from relax_core.engines import build_engine
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.client import HttpEngine

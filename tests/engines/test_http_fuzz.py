@@ -29,10 +29,10 @@ from selection import selected
 from tiers import heavy
 
 from relax_core.agentic.server import AgentServer, TrajectoryStore, build_app
-from relax_core.control_plane import create_app as control_plane_app
 from relax_core.engines.base import SamplingParams
 from relax_core.engines.http_server import ServerThread
 from relax_core.engines.http_server import create_app as engine_app
+from relax_core.rollout.control_plane import create_app as control_plane_app
 
 CASES_PER_MODE = 25
 EDGES = [float("nan"), float("inf"), -float("inf"), 1e308, -1e308, 5e-324, -0.0, 2**64, -(2**63) - 1, 2**1000]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_core.config import ModelConfig, RolloutConfig
+from relax_core.config.schema import ModelConfig, RolloutConfig
 from relax_core.engines import build_engine
 from relax_core.engines.sglang import launch_command, sglang_python
 from relax_core.errors import RelaxUserError

@@ -30,7 +30,7 @@ from selection import selected
 from tiers import heavy
 
 from relax_core.algorithms.logprobs import token_logprobs_and_entropy
-from relax_core.config import ModelConfig, RolloutConfig
+from relax_core.config.schema import ModelConfig, RolloutConfig
 from relax_core.engines import build_engine
 from relax_core.engines.base import EngineSetup, GenerationRequest, SamplingParams, default_memory_fraction
 from relax_core.engines.server_process import group_members

@@ -18,7 +18,7 @@ import torch
 from tiers import heavy
 
 from relax_core.backends.torch_backend import TorchBackend
-from relax_core.config import LoRAConfig, ModelConfig, TrainerConfig
+from relax_core.config.schema import LoRAConfig, ModelConfig, TrainerConfig
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.vllm import VLLMEngine, vllm_unavailable_reason
 from relax_models.lora import is_adapter, split_payload

@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from relax_core.data.multimodal import check_engine_takes_media
 from relax_core.engines.base import GenerationRequest
 from relax_core.engines.vllm import (
     VLLMEngine,
@@ -30,7 +31,6 @@ from relax_core.engines.vllm import (
 )
 from relax_core.engines.vllm_server import collapse_runs, decode_image
 from relax_core.errors import RelaxUserError
-from relax_core.multimodal import check_engine_takes_media
 from relax_models.processors.image import resize_image
 
 REASON = vllm_unavailable_reason()

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import relax_launch.cli  # noqa: F401  (registers the structured-config schema with Hydra)
-from relax_core.config import RelaxConfig
+from relax_core.config.schema import RelaxConfig
 
 
 @pytest.fixture

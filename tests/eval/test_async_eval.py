@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from relax_core.algorithms.spec import requirements
-from relax_core.data import PromptStream
+from relax_core.data.prompts import PromptStream
 from relax_core.modes.asynchronous import AsyncMode, Schedule
 from relax_core.modes.base import RunContext
 

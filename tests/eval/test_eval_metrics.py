@@ -1,4 +1,4 @@
-"""The evaluation estimators against hand-computed cases (relax_core/eval_metrics.py)."""
+"""The evaluation estimators against hand-computed cases (relax_core/evaluation/metrics.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from math import comb
 
 import pytest
 
-from relax_core.eval_metrics import answer_key, length_stats, maj_at_k, pass_at_k, sampled_metrics
+from relax_core.evaluation.metrics import answer_key, length_stats, maj_at_k, pass_at_k, sampled_metrics
 
 
 def test_pass_at_k_hand_computed() -> None:

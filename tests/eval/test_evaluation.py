@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from relax_core.data import generate_synthetic, load_prompts
+from relax_core.data.prompts import generate_synthetic, load_prompts
 from relax_core.engines.base import SamplingParams
 from relax_core.errors import RelaxUserError
-from relax_core.evaluation import Evaluator, eval_sets
-from relax_core.metrics import MetricsSink
+from relax_core.evaluation.evaluator import Evaluator, eval_sets
 from relax_core.roles.rollout import Rollout
+from relax_core.telemetry.metrics import MetricsSink
 
 
 def test_default_config_has_the_heldout_set_with_pass_at_8(make_cfg) -> None:
@@ -101,7 +101,7 @@ def test_every_set_reports_and_reaches_jsonl_mlflow_tensorboard_and_plot(make_cf
     assert rows[0]["eval/small/pass@4"] == start["eval/small/pass@4"]
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert events.Scalars("eval/small/pass@4")[0].value == pytest.approx(start["eval/small/pass@4"])
-    from relax_core.metrics import mlflow_client
+    from relax_core.telemetry.metrics import mlflow_client
 
     client = mlflow_client(sink.mlflow.uri)
     run_id = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment_name).experiment_id])[0]

@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from relax_core.algorithms.objective import micro_batch_weight, policy_objective, sequence_count
-from relax_core.config import (
+from relax_core.config.schema import (
     AlgorithmConfig,
     CriticConfig,
     LoRAConfig,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_core.config import ModelConfig, TrainerConfig
+from relax_core.config.schema import ModelConfig, TrainerConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,7 +22,7 @@ pytestmark = [
 
 
 def test_role_device_is_the_gpu_ray_assigned() -> None:
-    from relax_core.placement import role_device
+    from relax_core.runtime.placement import role_device
 
     assert role_device() == torch.device("cuda", 0)
 

@@ -131,7 +131,7 @@ def _compose(overrides: list[str]):
     ],
 )
 def test_rank_settings_that_cannot_work_are_one_line_user_errors(overrides: list[str], message: str) -> None:
-    from relax_core.validation import validate
+    from relax_core.preflight.validation import validate
 
     with pytest.raises(RelaxUserError, match=message) as error:
         validate(_compose(overrides))

@@ -50,7 +50,7 @@ def _run_call_sites(rank: int, model_dir: str, tmp: Path) -> tuple[dict[str, Any
     from relax_core.backends import build_backend
     from relax_core.backends.base import max_over_ranks, reduce_metrics
     from relax_core.backends.fsdp_backend import FSDPBackend
-    from relax_core.config import ModelConfig
+    from relax_core.config.schema import ModelConfig
     from relax_core.roles.actor import Actor
     from relax_core.roles.critic import Critic
     from relax_models.loader import load_tokenizer

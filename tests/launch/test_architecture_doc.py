@@ -8,11 +8,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("relax_launch", "relax_core", "relax_models", "relax_rewards", "benchmarks", "tests", "scripts")
-SUBPACKAGES = ("algorithms", "backends", "databus", "engines", "modes", "roles", "weight_transfer", "cluster")
+SUBPACKAGES = (
+    "algorithms",
+    "backends",
+    "databus",
+    "engines",
+    "modes",
+    "roles",
+    "weight_transfer",
+    "runtime",
+    "resilience",
+    "telemetry",
+    "evaluation",
+    "data",
+    "config",
+    "preflight",
+    "rollout",
+    "cluster",
+)
 
 
 def named_files(text: str) -> set[str]:
-    """Paths in backticks ending in .py: full ones (``relax_core/health.py``) and ones the page gives within
+    """Paths in backticks ending in .py: full ones (``relax_core/resilience/health.py``) and ones the page gives within
     their package (``weight_transfer/channel.py``, resolved against relax_core and relax_launch)."""
     return {m for m in re.findall(r"`([\w/]+\.py)`", text) if "/" in m}
 

@@ -11,7 +11,7 @@ import ray
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from relax_core.config import LocalClusterConfig, SlurmAllocationConfig
+from relax_core.config.schema import LocalClusterConfig, SlurmAllocationConfig
 from relax_core.errors import RelaxUserError
 from relax_launch.cli import CONFIG_MODULE, composition_problem
 from relax_launch.cluster import LAUNCHERS, launcher_for

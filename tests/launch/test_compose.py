@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
 import relax_launch.cli
-from relax_core.config import RelaxConfig
+from relax_core.config.schema import RelaxConfig
 from relax_core.errors import RelaxUserError
-from relax_core.validation import validate
+from relax_core.preflight.validation import validate
 
 CONF = resources.files("relax_launch.conf")
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith(("_", ".", "hydra")))

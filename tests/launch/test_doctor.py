@@ -1,5 +1,5 @@
 """The memory doctor: its arithmetic, ``python -m relax_launch.doctor`` and the launcher's refusal of a GPU
-config that cannot fit (relax_core/memory.py)."""
+config that cannot fit (relax_core/preflight/memory.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from relax_core.errors import RelaxUserError
-from relax_core.memory import GB, arch_from_config, engine_memory, estimate, trainer_memory
-from relax_core.placement import check_gpus
-from relax_core.validation import validate
+from relax_core.preflight.memory import GB, arch_from_config, engine_memory, estimate, trainer_memory
+from relax_core.preflight.validation import validate
+from relax_core.runtime.placement import check_gpus
 from relax_launch.doctor import main as doctor
 from tests.core.conftest import typed_config
 
@@ -160,7 +160,7 @@ SHORT = ["data.max_prompt_len=12", "rollout.max_new_tokens=4", "trainer.micro_ba
 def test_lora_parameter_count_matches_apply_lora(moe: bool) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from relax_core.config import LoRAConfig
+    from relax_core.config.schema import LoRAConfig
     from relax_models.lora import apply_lora, is_adapter
 
     extra = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24} if moe else {}
@@ -294,6 +294,6 @@ def test_chunked_logprobs_size_the_logit_buffers_by_hand() -> None:
 
 def test_packed_families_match_the_torch_backend() -> None:
     from relax_core.backends.torch_backend import PACKED_FAMILIES as backend
-    from relax_core.memory import PACKED_FAMILIES
+    from relax_core.preflight.memory import PACKED_FAMILIES
 
     assert PACKED_FAMILIES == backend

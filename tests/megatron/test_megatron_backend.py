@@ -15,7 +15,7 @@ from tiny_dims import SMALL_DIMS
 
 from relax_core.backends.megatron_backend import MegatronBackend
 from relax_core.backends.torch_backend import TorchBackend
-from relax_core.config import ModelConfig, TrainerConfig
+from relax_core.config.schema import ModelConfig, TrainerConfig
 from relax_core.errors import RelaxUserError
 from relax_core.samples import Sample, TrainBatch
 from relax_models.ports import free_port

@@ -59,7 +59,7 @@ def test_gpu_megatron_forward_matches_hf(world, family: str) -> None:
 def test_gpu_backend_step_tracks_the_torch_backend(world, tmp_path) -> None:
     from relax_core.backends.megatron_backend import MegatronBackend
     from relax_core.backends.torch_backend import TorchBackend
-    from relax_core.config import ModelConfig, TrainerConfig
+    from relax_core.config.schema import ModelConfig, TrainerConfig
     from relax_core.samples import Sample, TrainBatch
     from relax_models.tiny import build_tiny_qwen3
 
@@ -82,7 +82,7 @@ def test_gpu_distributed_optimizer_state_survives_a_checkpoint(world, tmp_path) 
     """Megatron's distributed optimizer (CUDA-only in megatron-core 0.16.1): its sharded Adam moments are
     saved with the checkpoint, so the step after a resume equals the uninterrupted one."""
     from relax_core.backends.megatron_backend import MegatronBackend
-    from relax_core.config import ModelConfig, TrainerConfig
+    from relax_core.config.schema import ModelConfig, TrainerConfig
     from relax_core.samples import Sample, TrainBatch
     from relax_models.tiny import build_tiny_qwen3
 

@@ -19,9 +19,9 @@ import launching
 import pytest
 
 from relax_core.backends.schedule import lr_multiplier
-from relax_core.config import TrainerConfig
+from relax_core.config.schema import TrainerConfig
 from relax_core.errors import RelaxUserError
-from relax_core.placement import rank_env
+from relax_core.runtime.placement import rank_env
 from relax_models.megatron.launch import check_megatron_launch, training_world_size
 
 pytestmark = [
@@ -94,7 +94,7 @@ def test_lr_schedule_warm_up_then_cosine_to_the_floor() -> None:
 def test_validation_names_the_setting_that_cannot_work(overrides: list[str], match: str) -> None:
     from omegaconf import OmegaConf
 
-    from relax_core.validation import validate
+    from relax_core.preflight.validation import validate
 
     cfg = OmegaConf.to_object(_compose(["trainer=megatron", *overrides]))
     with pytest.raises(RelaxUserError, match=match):
@@ -104,7 +104,7 @@ def test_validation_names_the_setting_that_cannot_work(overrides: list[str], mat
 def test_validation_accepts_tensor_parallel_and_returns_the_world() -> None:
     from omegaconf import OmegaConf
 
-    from relax_core.validation import validate
+    from relax_core.preflight.validation import validate
 
     cfg = OmegaConf.to_object(_compose(["trainer=megatron", "trainer.megatron.tensor=2"]))
     validate(cfg)

@@ -15,7 +15,7 @@ import torch
 from models_media import random_image, write_video, write_wav
 from PIL import Image
 
-from relax_core.config import ModalityConfig
+from relax_core.config.schema import ModalityConfig
 from relax_core.errors import RelaxUserError
 from relax_core.samples import PromptRecord, Sample
 from relax_models.processors import (

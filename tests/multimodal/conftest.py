@@ -6,8 +6,8 @@ import pytest
 import torch
 from multimodal_twins import TASKS, tiny_model_cfg
 
-from relax_core.config import DataConfig, ModalityConfig
-from relax_core.data import generate_synthetic
+from relax_core.config.schema import DataConfig, ModalityConfig
+from relax_core.data.prompts import generate_synthetic
 from relax_models.loader import resolve_model_path
 
 torch.set_num_threads(1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tiny_dims import SMALL_DIMS
 
-from relax_core.config import ModelConfig, TinyModelSpec
+from relax_core.config.schema import ModelConfig, TinyModelSpec
 
 TASKS = {
     # family -> (synthetic task, modality name, modality.keys)

@@ -15,11 +15,11 @@ import pytest
 import torch
 from datasets import Audio, Features, Image
 
-import relax_core.data
-from relax_core.config import DataConfig
-from relax_core.data import PromptRows, PromptStream, load_prompts, read_rows
+import relax_core.data.prompts
+from relax_core.config.schema import DataConfig
+from relax_core.data.multimodal import MediaPrompts
+from relax_core.data.prompts import PromptRows, PromptStream, load_prompts, read_rows
 from relax_core.errors import RelaxUserError
-from relax_core.multimodal import MediaPrompts
 from relax_core.samples import PromptRecord
 from relax_models.loader import load_tokenizer
 
@@ -200,7 +200,7 @@ def test_text_parquet_shards_arrow_files_and_large_jsonl_give_the_records_of_jso
         records, _ = load_prompts(path, data, tokenizer)
         assert [(r.index, r.prompt_ids, r.label, r.metadata) for r in records] == key, path
     # a JSON Lines file over the in-memory size goes through datasets too
-    monkeypatch.setattr(relax_core.data, "JSONL_IN_MEMORY_BYTES", 0)
+    monkeypatch.setattr(relax_core.data.prompts, "JSONL_IN_MEMORY_BYTES", 0)
     records, _ = load_prompts(str(tmp_path / "rows.jsonl"), data, tokenizer, lazy=True)
     assert isinstance(records, PromptRows) and [records[i].prompt_ids for i in range(10)] == [
         r.prompt_ids for r in jsonl

@@ -8,11 +8,11 @@ import torch
 from multimodal_twins import tiny_model_cfg
 
 from relax_core.backends.torch_backend import TorchBackend
-from relax_core.config import TrainerConfig
-from relax_core.data import PromptStream, load_prompts
+from relax_core.config.schema import TrainerConfig
+from relax_core.data.multimodal import MediaPrompts, multimodal_model_inputs, placeholder_token_ids
+from relax_core.data.prompts import PromptStream, load_prompts
 from relax_core.engines.base import GenerationRequest, SamplingParams
 from relax_core.engines.torch_engine import TorchEngine
-from relax_core.multimodal import MediaPrompts, multimodal_model_inputs, placeholder_token_ids
 from relax_core.samples import Sample, TrainBatch
 from relax_models.loader import load_causal_lm, load_tokenizer
 

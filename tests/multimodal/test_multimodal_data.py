@@ -15,12 +15,12 @@ import torch
 from PIL import Image
 from tiers import heavy
 
-from relax_core.config import DataConfig, ModalityConfig
-from relax_core.data import PromptStream, load_prompts
+from relax_core.config.schema import DataConfig, ModalityConfig
+from relax_core.data.multimodal import MediaPrompts, check_modality_keys
+from relax_core.data.prompts import PromptStream, load_prompts
+from relax_core.data.synthetic_multimodal import COLORS, TONES_HZ
 from relax_core.errors import RelaxUserError
-from relax_core.multimodal import MediaPrompts, check_modality_keys
 from relax_core.samples import Sample, TrainBatch
-from relax_core.synthetic_multimodal import COLORS, TONES_HZ
 from relax_models.loader import load_tokenizer
 from relax_models.processors import multimodal_nbytes
 

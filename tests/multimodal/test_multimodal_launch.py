@@ -11,9 +11,9 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 import relax_launch.cli  # noqa: F401  (registers the config schema with Hydra)
-from relax_core.config import RelaxConfig
+from relax_core.config.schema import RelaxConfig
 from relax_core.errors import RelaxUserError
-from relax_core.validation import validate
+from relax_core.preflight.validation import validate
 from relax_models.families import FAMILIES, get_family
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -112,7 +112,7 @@ RECIPES = {
 
 def _gpus(cfg: RelaxConfig) -> float:
     """GPUs the colocated placement group asks for: engines plus actor ranks (see the controller)."""
-    from relax_core.placement import actor_world_size
+    from relax_core.runtime.placement import actor_world_size
 
     return (
         cfg.rollout.num_engines * cfg.rollout.num_gpus + actor_world_size(cfg.trainer) * cfg.trainer.num_gpus

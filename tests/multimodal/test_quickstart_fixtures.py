@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import relax_rewards
-from relax_core.config import DataConfig, ModalityConfig
-from relax_core.data import load_prompts
-from relax_core.multimodal import MediaPrompts
+from relax_core.config.schema import DataConfig, ModalityConfig
+from relax_core.data.multimodal import MediaPrompts
+from relax_core.data.prompts import load_prompts
 from relax_models.loader import load_tokenizer
 from relax_models.tokenizer import build_char_tokenizer
 

@@ -178,9 +178,9 @@ JUDGE_ON_A_WORKER = """
 import json, sys, time
 import ray
 from ray.util.placement_group import placement_group
-from relax_core.config import RelaxConfig
-from relax_core.judge import start_judge
-from relax_core.placement import bundle_nodes
+from relax_core.config.schema import RelaxConfig
+from relax_core.rollout.judge import start_judge
+from relax_core.runtime.placement import bundle_nodes
 from relax_rewards import RewardExecutor, RewardItem
 from relax_rewards.config import JudgeConfig, RewardConfig
 

@@ -163,7 +163,7 @@ def test_killed_fused_actor_and_engine_resumes_from_checkpoint_and_after_the_las
 
 
 def test_run_gives_up_after_max_global_restarts_with_a_report(tmp_path: Path) -> None:
-    from relax_core.health import RunFailedError
+    from relax_core.resilience.health import RunFailedError
 
     run_dir = tmp_path / "run"
     notify = tmp_path / "notify.jsonl"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from relax_core.checkpoint import (
+from relax_core.errors import RelaxUserError
+from relax_core.resilience.checkpoint import (
     CheckpointManager,
     checkpoint_root,
     latest_checkpoint,
@@ -16,8 +17,7 @@ from relax_core.checkpoint import (
     read_meta,
     resolve_resume,
 )
-from relax_core.errors import RelaxUserError
-from relax_core.notify import Notifier
+from relax_core.telemetry.notify import Notifier
 
 
 def _write(tmp: Path) -> dict:

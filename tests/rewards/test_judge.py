@@ -1,4 +1,4 @@
-"""The managed GenRM judge (relax_core/judge.py): a tiny random judge engine Relax places in Ray, scores
+"""The managed GenRM judge (relax_core/rollout/judge.py): a tiny random judge engine Relax places in Ray, scores
 through its router, counts garbage and a judge that is down, and is restarted after its server is killed,
 after it hangs and after its actor is lost."""
 
@@ -13,11 +13,11 @@ import pytest
 from tiers import heavy
 
 import relax_rewards
-from relax_core import handles
-from relax_core.config import InProcessClusterConfig, RelaxConfig
+from relax_core.config.schema import InProcessClusterConfig, RelaxConfig
 from relax_core.engines.server_process import group_members
 from relax_core.engines.vllm import vllm_unavailable_reason
-from relax_core.judge import start_judge
+from relax_core.rollout.judge import start_judge
+from relax_core.runtime import handles
 from relax_models.ports import free_port
 from relax_rewards import RewardExecutor, RewardItem
 from relax_rewards.config import JudgeConfig, RewardConfig
@@ -171,7 +171,7 @@ def test_slow_or_absent_judge_scores_a_counted_zero(http_server) -> None:
 
 
 def test_an_eval_set_genrm_without_a_judge_asks_the_runs() -> None:
-    from relax_core.evaluation import with_run_judge
+    from relax_core.evaluation.evaluator import with_run_judge
 
     run = RewardConfig(
         name="genrm", kwargs={"url": "http://127.0.0.1:9"}, judge=JudgeConfig(model="tiny_qwen3")

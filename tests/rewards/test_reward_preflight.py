@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from relax_core.config import RelaxConfig
+from relax_core.config.schema import RelaxConfig
 from relax_core.errors import RelaxUserError
-from relax_core.validation import validate
+from relax_core.preflight.validation import validate
 from relax_rewards.config import RewardConfig
 from relax_rewards.preflight import check_reward_config
 

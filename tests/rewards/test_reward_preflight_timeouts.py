@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from relax_core.errors import RelaxUserError
-from relax_core.validation import validate
+from relax_core.preflight.validation import validate
 from relax_rewards.config import RewardConfig
 from relax_rewards.preflight import check_reward_config
 from tests.core.conftest import typed_config
