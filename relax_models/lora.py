@@ -262,20 +262,19 @@ def split_payload(
 
 
 def merged_payload(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The merged weights of an adapter payload (any other state dict as it is): what a receiver that cannot
-    apply adapters loads, ``W + scale · B A`` computed in fp32, in ``W``'s dtype."""
+    """The merged weights of an adapter payload (any other state dict as it is), in the base's order: what a
+    receiver that cannot apply adapters loads, merged by :func:`merged_weights` as a backend merges its own."""
     if not is_adapter_payload(state_dict):
         return state_dict
     base, adapters, _, scale = split_payload(state_dict)
-    out = dict(base)
-    for name, a in adapters.items():
-        if ".lora_A." not in name:
-            continue
-        module = name.removeprefix(PEFT_PREFIX).rsplit(".lora_A.", 1)[0]
-        b = adapters[name.replace(".lora_A.", ".lora_B.")]
-        w = base[f"{module}.weight"]
-        out[f"{module}.weight"] = (w.float() + (b.float() @ a.float()) * scale).to(w.dtype)
-    return out
+    scales = dict.fromkeys({n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in adapters}, scale)
+    # back under the adapted model's names: <m>.base_layer.weight, <m>.lora_A.default.weight
+    in_model = {
+        f"{n.removeprefix(PEFT_PREFIX).removesuffix('.weight')}.{ADAPTER}.weight": t
+        for n, t in adapters.items()
+    }
+    merged = dict(merged_weights([*peft_names(base, scales).items(), *in_model.items()], scales))
+    return {name: merged[name] for name in base}
 
 
 def adapter_folder(
